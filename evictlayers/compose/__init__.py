@@ -1,0 +1,6 @@
+"""Policies, budgets, the per-layer slot store that runs them, and recipe YAML."""
+
+from evictlayers.compose.policy import Policy
+from evictlayers.compose.store import SlotStore
+
+__all__ = ["Policy", "SlotStore"]

@@ -1,0 +1,166 @@
+"""Policy: an ordered set of modules plus a budget, and the ranking it imposes on slots."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from evictlayers.kernels import GQA_REDUCTIONS
+from evictlayers.modules import HeavyHitterSelector, Protection
+from evictlayers.scoring import SlotView
+
+SELECTORS = (HeavyHitterSelector,)
+
+
+def _describe_budget(budget: int | float | None) -> str:
+    if budget is None:
+        return "budget=None (full cache)"
+    return f"budget={budget} {'tokens per head' if isinstance(budget, int) else 'of the prompt'}"
+
+
+class Policy(nn.Module):
+    """Which KV pairs a layer keeps.
+
+    ``Policy(*modules, budget=...)``: protections (``RecentWindow``, ``SinkTokens``) take their slots
+    first; an optional selector (``HeavyHitterSelector``) fills the rest by score; without a selector the
+    unprotected slots go to the most recent tokens. ``budget`` is an ``int`` number of tokens per KV
+    head, a ``float`` in ``(0, 1]`` (that fraction of each row's prompt, rounded half up, fixed once
+    the prompt is seen: "the first forward call"), or ``None`` for a full cache that never evicts.
+    ``gqa_reduce`` combines the attention mass of the query heads sharing a KV head (sum/mean/max).
+    """
+
+    def __init__(self, *modules: nn.Module, budget: int | float | None = None, gqa_reduce: str = "sum"):
+        super().__init__()
+        protections: list[Protection] = []
+        selectors: list[nn.Module] = []
+        for index, module in enumerate(modules):
+            if isinstance(module, Protection):
+                protections.append(module)
+            elif isinstance(module, SELECTORS):
+                selectors.append(module)
+            else:
+                raise TypeError(
+                    f"Policy module #{index} is {module!r}; expected a protection (RecentWindow, SinkTokens) "
+                    "or a selector (HeavyHitterSelector)"
+                )
+        kinds = [type(m).__name__ for m in protections]
+        for kind in set(kinds):
+            if kinds.count(kind) > 1:
+                raise ValueError(f"Policy has {kinds.count(kind)} {kind} modules; give it at most one")
+        if len(selectors) > 1:
+            raise ValueError(f"Policy has {len(selectors)} selectors; give it at most one")
+        open_ended = [m for m in protections if m.params().get("size", 0) is None]
+        if open_ended and selectors:
+            raise ValueError(
+                "RecentWindow() with no size takes every slot the other protections leave, so "
+                f"{type(selectors[0]).__name__} would get none; give RecentWindow a size (int tokens or a "
+                "fraction of the budget)"
+            )
+        self._check_budget(budget)
+        if gqa_reduce not in GQA_REDUCTIONS:
+            raise ValueError(f"Policy(gqa_reduce={gqa_reduce!r}): expected one of {GQA_REDUCTIONS}")
+        # the open-ended RecentWindow reserves last: it takes what the others leave
+        self.protections = nn.ModuleList(sorted(protections, key=lambda m: m in open_ended))
+        self.selector = selectors[0] if selectors else None
+        self.budget = budget
+        self.gqa_reduce = gqa_reduce
+        if isinstance(budget, int):
+            self._check_fits(torch.tensor([budget]), where=f"budget={budget} tokens per head")
+
+    @staticmethod
+    def _check_budget(budget: Any) -> None:
+        if budget is None:
+            return
+        if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+            raise TypeError(f"Policy(budget={budget!r}): expected an int (tokens), a float in (0, 1] or None")
+        if budget <= 0:
+            raise ValueError(f"Policy(budget={budget}): the budget must be positive")
+        if isinstance(budget, float) and budget > 1.0:
+            raise ValueError(
+                f"Policy(budget={budget}): a float budget is a fraction of the prompt, in (0, 1]; "
+                "use an int for a number of tokens"
+            )
+
+    @property
+    def modules_in_order(self) -> list[nn.Module]:
+        """The modules as a recipe lists them: protections, then the selector."""
+        return [*self.protections, *([self.selector] if self.selector is not None else [])]
+
+    def __eq__(self, other: object) -> bool:
+        return (
+            type(other) is Policy
+            and self.modules_in_order == other.modules_in_order
+            and self.budget == other.budget
+            and type(self.budget) is type(other.budget)
+            and self.gqa_reduce == other.gqa_reduce
+        )
+
+    __hash__ = nn.Module.__hash__
+
+    def extra_repr(self) -> str:
+        return f"{_describe_budget(self.budget)}, gqa_reduce={self.gqa_reduce!r}"
+
+    # ---- budgets -------------------------------------------------------------------------------
+
+    def reservations(self, budget: torch.Tensor) -> list[torch.Tensor]:
+        """Slots each protection reserves per row (``[B]`` int64 each), in ``self.protections`` order."""
+        reserved: list[torch.Tensor] = []
+        taken = torch.zeros_like(budget)
+        for protection in self.protections:
+            slots = protection.reserved(budget, taken)
+            reserved.append(slots)
+            taken = taken + slots
+        return reserved
+
+    def _check_fits(self, budget: torch.Tensor, where: str) -> None:
+        reserved = self.reservations(budget)
+        if not reserved:
+            return
+        total = torch.stack(reserved).sum(0)
+        bad = (total > budget).nonzero().flatten()
+        if len(bad):
+            row = int(bad[0])
+            parts = " + ".join(
+                f"{type(p).__name__}({int(r[row])})" for p, r in zip(self.protections, reserved, strict=True)
+            )
+            raise ValueError(
+                f"Policy {where}: a budget of {int(budget[row])} tokens cannot hold the protected slots "
+                f"{parts} = {int(total[row])}; raise the budget or shrink the protections"
+            )
+
+    def resolve_budget(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
+        """``[B]`` int64 tokens per KV head for each row, from its real prompt length ``[B]``."""
+        if self.budget is None:
+            return None
+        if isinstance(self.budget, int):
+            return torch.full_like(prompt_len, self.budget)
+        budget = torch.floor(prompt_len.double() * self.budget + 0.5).long().clamp(min=1)
+        self._check_fits(budget, where=f"budget={self.budget} of a {int(prompt_len.max())}-token prompt")
+        return budget
+
+    # ---- per-step scoring and ranking ----------------------------------------------------------
+
+    @property
+    def state_specs(self) -> dict[str, tuple[int, ...]]:
+        return dict(self.selector.state_specs) if self.selector is not None else {}
+
+    def observe(self, state: dict[str, torch.Tensor], mass: torch.Tensor, view: SlotView) -> None:
+        """Let the scorers fold this step's attention mass into their state."""
+        if self.selector is not None:
+            self.selector.update(state, mass, view)
+
+    def priority(self, state: dict[str, torch.Tensor], view: SlotView) -> torch.Tensor:
+        """``[B, H_kv, N]`` float: higher is kept longer; protected slots ``+inf``, empty ``-inf``."""
+        if self.selector is not None:
+            rank = self.selector.score(state, view).float()
+        else:
+            rank = view.pos.float()
+        protected = torch.zeros_like(view.valid)
+        budget = view.budget
+        for protection, reserved in zip(self.protections, self.reservations(budget), strict=True):
+            protected |= protection.protect(view, reserved)
+        rank = rank.masked_fill(protected, math.inf)
+        return rank.masked_fill(~view.valid, -math.inf)

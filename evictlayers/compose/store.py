@@ -1,0 +1,175 @@
+"""One layer's slot store: fixed rectangular slots, per-head token sets, eviction in place.
+
+DESIGN.md "The cache": ``keys``/``values`` are ``[B, H_kv, C, D]``, ``pos`` is ``[B, H_kv, C]`` (original
+position, ``-1`` = empty) and the policy's state tensors ride along per slot. After every step a
+budgeted store holds at most ``budget`` tokens per head in ``budget + 1`` slots: the spare slot is
+where the next decoded token lands, so decoding never moves memory (H2O Appendix A).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from evictlayers.compose.policy import Policy
+from evictlayers.kernels import attention_with_mass
+from evictlayers.scoring import SlotView
+
+
+class SlotStore:
+    """Keys, values, positions and policy state of one attention layer for one batch of sequences."""
+
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.pos: torch.Tensor | None = None
+        self.state: dict[str, torch.Tensor] = {}
+        self.seen: torch.Tensor | None = None  # [B] real tokens per row
+        self.budget: torch.Tensor | None = None  # [B] tokens per head, None = unbounded
+        self.seq_len = 0  # columns fed so far, padding included (what transformers calls tokens seen)
+
+    # ---- sizes ---------------------------------------------------------------------------------
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def retained(self) -> torch.Tensor:
+        """``[B, H_kv]`` int64 tokens held per head."""
+        return (self.pos >= 0).sum(-1)
+
+    def kv_bytes(self) -> int:
+        """Bytes of the key and value slot tensors (what the cache physically holds)."""
+        if self.keys is None:
+            return 0
+        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+
+    # ---- one step ------------------------------------------------------------------------------
+
+    def step(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        real: torch.Tensor | None = None,
+        *,
+        scaling: float,
+        softcap: float | None = None,
+        sliding_window: int | None = None,
+    ) -> torch.Tensor:
+        """Insert the step's tokens, attend over the slots, score, evict over-budget slots.
+
+        Args:
+            query: ``[B, H_q, Q, D]``; key/value: ``[B, H_kv, Q, D]`` for the ``Q`` new tokens.
+            real: ``[B, Q]`` bool, ``False`` for padding tokens (never stored); ``None`` = all real.
+
+        Returns:
+            ``[B, H_q, Q, D_v]`` attention output (zero for padding queries).
+        """
+        batch, kv_heads, q_len, _ = key.shape
+        if real is None:
+            real = torch.ones(batch, q_len, dtype=torch.bool, device=key.device)
+        if self.seen is None:
+            self.seen = torch.zeros(batch, dtype=torch.long, device=key.device)
+            self.budget = self.policy.resolve_budget(real.sum(1))
+        elif self.seen.shape[0] != batch:
+            raise ValueError(f"this cache holds {self.seen.shape[0]} sequences but the step has batch size {batch}")
+        query_pos = torch.where(real, self.seen[:, None] + real.long().cumsum(1) - 1, -1)
+        new_pos = query_pos[:, None, :].expand(batch, kv_heads, q_len)
+
+        in_place = q_len == 1 and self.keys is not None
+        if in_place:
+            self._write_into_free_slot(key, value, new_pos)
+            keys, values, pos, state = self.keys, self.values, self.pos, self.state
+        else:
+            keys, values, pos, state = self._concatenated(key, value, new_pos)
+
+        out, mass = attention_with_mass(
+            query, keys, values, query_pos, pos,
+            scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=self.policy.gqa_reduce,
+        )
+        self.seen = self.seen + real.sum(1)
+        self.seq_len += q_len
+        view = SlotView(pos=pos, seen=self.seen, budget=self.budget)
+        self.policy.observe(state, mass, view)
+
+        if in_place:
+            if self.budget is not None:
+                self._evict_one(view)
+        else:
+            self._keep_best(keys, values, pos, state, view)
+        return out
+
+    # ---- slot bookkeeping ----------------------------------------------------------------------
+
+    def _new_state(self, batch: int, heads: int, slots: int, device: torch.device) -> dict[str, torch.Tensor]:
+        return {
+            name: torch.zeros(batch, heads, slots, *shape, dtype=torch.float32, device=device)
+            for name, shape in self.policy.state_specs.items()
+        }
+
+    def _concatenated(self, key, value, new_pos):
+        batch, heads, q_len, _ = key.shape
+        fresh = self._new_state(batch, heads, q_len, key.device)
+        if self.keys is None:
+            return key, value, new_pos.clone(), fresh
+        return (
+            torch.cat([self.keys, key], dim=2),
+            torch.cat([self.values, value], dim=2),
+            torch.cat([self.pos, new_pos], dim=2),
+            {name: torch.cat([self.state[name], fresh[name]], dim=2) for name in fresh},
+        )
+
+    def _write_into_free_slot(self, key, value, new_pos) -> None:
+        free = self.pos < 0
+        if not bool(free.any(-1).all()):
+            # only an unbounded (full) cache runs out of free slots: grow it geometrically
+            self._grow(max(16, self.capacity))
+            free = self.pos < 0
+        slot = free.int().argmax(-1, keepdim=True)  # [B, H, 1]: the first free slot of each head
+        index = slot[..., None].expand(-1, -1, -1, self.keys.shape[-1])
+        self.keys.scatter_(2, index, key)
+        self.values.scatter_(2, slot[..., None].expand(-1, -1, -1, self.values.shape[-1]), value)
+        self.pos.scatter_(2, slot, new_pos)
+        for tensor in self.state.values():
+            shaped = slot.view(*slot.shape, *([1] * (tensor.dim() - 3))).expand(-1, -1, -1, *tensor.shape[3:])
+            tensor.scatter_(2, shaped, 0.0)
+
+    def _grow(self, extra: int) -> None:
+        batch, heads, _, _ = self.keys.shape
+        pad = lambda t, fill: torch.cat([t, t.new_full((*t.shape[:2], extra, *t.shape[3:]), fill)], dim=2)  # noqa: E731
+        self.keys, self.values = pad(self.keys, 0), pad(self.values, 0)
+        self.pos = pad(self.pos, -1)
+        self.state = {name: pad(t, 0.0) for name, t in self.state.items()}
+
+    def _evict_one(self, view: SlotView) -> None:
+        """Algorithm 1 line 12-13: drop the lowest-priority slot of every head that is over budget."""
+        over = self.retained() > self.budget[:, None]  # [B, H]
+        victim = self.policy.priority(self.state, view).argmin(-1, keepdim=True)
+        evicted_pos = torch.where(over[..., None], -1, self.pos.gather(2, victim))
+        self.pos.scatter_(2, victim, evicted_pos)
+
+    def _keep_best(self, keys, values, pos, state, view: SlotView) -> None:
+        """After a multi-token step: keep each head's top-``budget`` slots in a ``budget + 1`` store."""
+        if self.budget is None:
+            self.keys, self.values, self.pos, self.state = keys, values, pos, state
+            return
+        keep = int(self.budget.max())
+        batch, heads, n_slots, _ = keys.shape
+        priority = self.policy.priority(state, view)
+        top = min(keep, n_slots)
+        order = priority.topk(top, dim=-1, sorted=True).indices  # [B, H, top]
+        # rows whose own budget is below the batch maximum drop their lowest-ranked picks
+        rank_ok = torch.arange(top, device=keys.device)[None, None, :] < self.budget[:, None, None]
+        capacity = keep + 1
+        gather = lambda t, fill: torch.cat(  # noqa: E731
+            [
+                t.gather(2, order.view(*order.shape, *([1] * (t.dim() - 3))).expand(-1, -1, -1, *t.shape[3:])),
+                t.new_full((*t.shape[:2], capacity - top, *t.shape[3:]), fill),
+            ],
+            dim=2,
+        )
+        self.keys, self.values = gather(keys, 0), gather(values, 0)
+        kept_pos = pos.gather(2, order).masked_fill(~rank_ok, -1)
+        self.pos = torch.cat([kept_pos, pos.new_full((batch, heads, capacity - top), -1)], dim=2)
+        self.state = {name: gather(t, 0.0) for name, t in state.items()}

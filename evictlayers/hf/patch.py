@@ -1,0 +1,159 @@
+"""``evictlayers.apply``: replace a model's attention modules for the duration of a ``with`` block.
+
+Module replacement, Liger-style: each attention module's class is swapped for a subclass that routes
+attention through the slot store, every config's attention implementation points at the registered
+evictlayers function, and a forward pre-hook gives each forward an ``EvictionCache``. Exiting restores
+classes, configs and hooks; parameters and ``state_dict`` keys are never touched.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.cache_utils import Cache
+
+from evictlayers.compose import Policy
+from evictlayers.hf import attention
+from evictlayers.hf.cache import EvictionCache, EvictionLayer
+from evictlayers.hf.families import attention_modules
+
+_EVICTING_CLASSES: dict[type, type] = {}
+
+
+def _evicting_class(cls: type) -> type:
+    """``Evicting<cls>``: the same module, marked as routed through evictlayers."""
+    if cls not in _EVICTING_CLASSES:
+        _EVICTING_CLASSES[cls] = type(f"Evicting{cls.__name__}", (cls,), {"_evictlayers_original_class": cls})
+    return _EVICTING_CLASSES[cls]
+
+
+class EvictionRun:
+    """The patched state of one model; ``with apply(model, policy) as run`` yields it."""
+
+    def __init__(self, model: nn.Module, policy: Policy):
+        if not isinstance(policy, Policy):
+            raise TypeError(f"evictlayers.apply expects a Policy, got {type(policy).__name__}")
+        if getattr(model, "_evictlayers_run", None) is not None:
+            raise RuntimeError(
+                f"evictlayers.apply was already applied to this {type(model).__name__}; exit the first "
+                "`with` block (or call run.remove()) before applying another policy"
+            )
+        self.model, self.policy = model, policy
+        self._attention = attention_modules(model)
+        self.num_layers = len(self._attention)
+        self.cache: EvictionCache | None = None
+        self._padding: torch.Tensor | None = None
+        self._configs: list[tuple[object, str]] = []
+        self._hooks = []
+        self._patch()
+
+    # ---- patching ------------------------------------------------------------------------------
+
+    def _patch(self) -> None:
+        attention.register()
+        for module in self._attention:
+            module.__class__ = _evicting_class(type(module))
+            module._evictlayers_run = self
+        configs = {id(m.config): m.config for m in [self.model, *self._attention] if hasattr(m, "config")}
+        for config in configs.values():
+            self._configs.append((config, config._attn_implementation))
+            config._attn_implementation_internal = attention.ATTENTION_NAME
+        for module in self.model.modules():
+            if isinstance(module, PreTrainedModel):
+                signature = inspect.signature(module.forward)
+                hook = module.register_forward_pre_hook(self._hook(signature), with_kwargs=True)
+                self._hooks.append(hook)
+        self.model._evictlayers_run = self
+
+    def remove(self) -> None:
+        """Restore the model exactly as it was."""
+        if getattr(self.model, "_evictlayers_run", None) is not self:
+            return
+        for hook in self._hooks:
+            hook.remove()
+        for config, implementation in self._configs:
+            config._attn_implementation_internal = implementation
+        for module in self._attention:
+            module.__class__ = module._evictlayers_original_class
+            del module._evictlayers_run
+        del self.model._evictlayers_run
+
+    def __enter__(self) -> EvictionRun:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    # ---- per forward ---------------------------------------------------------------------------
+
+    def new_cache(self) -> EvictionCache:
+        """An empty cache for this model and policy (pass it as ``past_key_values``)."""
+        return EvictionCache(self.policy, self.num_layers)
+
+    def _hook(self, signature: inspect.Signature):
+        names = list(signature.parameters)
+
+        def before_forward(module, args, kwargs):
+            arguments = signature.bind_partial(*args, **kwargs).arguments
+            arguments.update(arguments.pop("kwargs", {}))
+            mask, cache, use_cache = (arguments.get(n) for n in ("attention_mask", "past_key_values", "use_cache"))
+            if use_cache is None:
+                use_cache = getattr(module.config, "use_cache", True)
+            if mask is not None and mask.dim() != 2:
+                raise ValueError(
+                    f"evictlayers needs a 2-D padding attention_mask [batch, tokens]; got shape {tuple(mask.shape)}"
+                )
+            if use_cache:
+                if cache is None or (
+                    isinstance(cache, Cache) and not isinstance(cache, EvictionCache) and cache.get_seq_length() == 0
+                ):
+                    cache = self.new_cache()
+                elif not isinstance(cache, EvictionCache):
+                    raise TypeError(
+                        f"past_key_values is a {type(cache).__name__} holding {cache.get_seq_length()} tokens; "
+                        "under evictlayers.apply pass an evictlayers cache (run.new_cache()) or none"
+                    )
+                slot = names.index("past_key_values") if "past_key_values" in names else len(args)
+                if slot < len(args):
+                    args = (*args[:slot], cache, *args[slot + 1 :])
+                else:
+                    kwargs = {**kwargs, "past_key_values": cache}
+            self.cache = cache if use_cache else None
+            self._padding = mask
+            return args, kwargs
+
+        return before_forward
+
+    def staged_layer(self, layer_idx: int) -> EvictionLayer | None:
+        """The cache layer holding this step's staged keys, or ``None`` when running without a cache."""
+        if self.cache is None:
+            return None
+        layer = self.cache.layers[layer_idx]
+        return layer if layer.staged is not None else None
+
+    def real_tokens(self, start: int, count: int) -> torch.Tensor | None:
+        """``[B, count]`` bool: which of the step's tokens are real (not padding), from the 2-D mask."""
+        if self._padding is None:
+            return None
+        if self._padding.shape[1] < start + count:
+            raise ValueError(
+                f"attention_mask has {self._padding.shape[1]} columns, but the cache has seen {start} tokens and "
+                f"this step adds {count}: pass a mask over every token so far (as generate() does)"
+            )
+        return self._padding[:, start : start + count].bool()
+
+    # ---- reporting -----------------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Memory and token counts of the cache of the last forward (see ``EvictionCache.stats``)."""
+        if self.cache is None:
+            return {"kv_bytes": 0, "layers": []}
+        return self.cache.stats()
+
+
+def apply(model: nn.Module, policy: Policy) -> EvictionRun:
+    """Patch ``model`` to generate with ``policy``'s bounded cache; use as a context manager."""
+    return EvictionRun(model, policy)

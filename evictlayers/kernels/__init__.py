@@ -1,0 +1,8 @@
+"""Attention ops that also report how much probability each key received.
+
+Each op has a plain PyTorch reference here; accelerated kernels must keep the same signature.
+"""
+
+from evictlayers.kernels.attention_mass import GQA_REDUCTIONS, attention_with_mass
+
+__all__ = ["GQA_REDUCTIONS", "attention_with_mass"]

@@ -1,0 +1,32 @@
+"""What a scorer or module sees of one layer's slot store at one step."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SlotView:
+    """The slots of one layer after the current tokens were inserted.
+
+    Attributes:
+        pos: ``[B, H_kv, N]`` int64 original position held by each slot, ``-1`` = empty.
+        seen: ``[B]`` int64 real (non-padding) tokens seen per row, the current ones included.
+        budget: ``[B]`` int64 slots this layer may keep per head, or ``None`` for an unbounded cache.
+    """
+
+    pos: torch.Tensor
+    seen: torch.Tensor
+    budget: torch.Tensor | None
+
+    @property
+    def valid(self) -> torch.Tensor:
+        """``[B, H_kv, N]`` bool: the slot holds a token."""
+        return self.pos >= 0
+
+    @property
+    def age(self) -> torch.Tensor:
+        """``[B, H_kv, N]`` int64: queries that could attend to each slot's token so far (itself included)."""
+        return (self.seen[:, None, None] - self.pos).clamp(min=1)
