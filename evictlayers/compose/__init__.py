@@ -1,6 +1,7 @@
 """Policies, budgets, the per-layer slot store that runs them, and recipe YAML."""
 
 from evictlayers.compose.policy import Policy
+from evictlayers.compose.recipes import RecipeError, dump_recipe, load_recipe
 from evictlayers.compose.store import SlotStore
 
-__all__ = ["Policy", "SlotStore"]
+__all__ = ["Policy", "RecipeError", "SlotStore", "dump_recipe", "load_recipe"]

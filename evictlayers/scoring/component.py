@@ -21,7 +21,8 @@ class Component(nn.Module):
         return {name: getattr(self, name) for name in self.param_names}
 
     def extra_repr(self) -> str:
-        return ", ".join(f"{k}={v!r}" for k, v in self.params().items())
+        # component-valued arguments are submodules and print themselves
+        return ", ".join(f"{k}={v!r}" for k, v in self.params().items() if not isinstance(v, nn.Module))
 
     def __eq__(self, other: object) -> bool:
         return type(self) is type(other) and self.params() == other.params()

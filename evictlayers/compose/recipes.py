@@ -1,0 +1,132 @@
+"""Recipe YAML: the declarative twin of a ``Policy``.
+
+A recipe maps straight onto constructors (torchtune style): every component is a mapping whose
+``_component_`` key names the class and whose other keys are its constructor arguments::
+
+    budget: 0.2            # int tokens per head, float fraction of the prompt, or null (full cache)
+    gqa_reduce: sum        # optional
+    modules:
+      - _component_: RecentWindow
+        size: 0.5
+      - _component_: HeavyHitterSelector
+        accumulator:
+          _component_: Cumulative
+
+Loading validates the whole file and reports every problem at once, each with the file, the key path
+and what was expected. ``dump_recipe`` writes a policy that ``load_recipe`` reads back equal.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from evictlayers.compose.policy import Policy
+from evictlayers.modules import HeavyHitterSelector, RecentWindow, SinkTokens
+from evictlayers.scoring import Averaged, Component, Cumulative
+
+COMPONENTS: dict[str, type[Component]] = {
+    cls.__name__: cls for cls in (RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged)
+}
+POLICY_KEYS = ("budget", "modules", "gqa_reduce")
+
+
+class RecipeError(ValueError):
+    """A recipe that does not describe a valid Policy; ``problems`` lists every finding."""
+
+    def __init__(self, source: str, problems: list[str]):
+        self.source, self.problems = source, problems
+        super().__init__(f"{source}: {len(problems)} problem(s) in recipe:\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+def _build(node: Any, where: str, problems: list[str]) -> Any:
+    """Build the component described by ``node``, appending every problem found to ``problems``."""
+    if not isinstance(node, dict) or "_component_" not in node:
+        problems.append(f"{where}: expected a mapping with a `_component_` key naming one of {sorted(COMPONENTS)}")
+        return None
+    name = node["_component_"]
+    cls = COMPONENTS.get(name)
+    if cls is None:
+        problems.append(f"{where}._component_: unknown component {name!r}; allowed: {', '.join(sorted(COMPONENTS))}")
+        return None
+    allowed = [p for p in inspect.signature(cls).parameters if p != "self"]
+    kwargs, ok = {}, True
+    for key, value in node.items():
+        if key == "_component_":
+            continue
+        if key not in allowed:
+            problems.append(f"{where}.{key}: unknown argument of {name}; allowed: {', '.join(allowed) or 'none'}")
+            ok = False
+            continue
+        if isinstance(value, dict):
+            value = _build(value, f"{where}.{key}", problems)
+            ok = ok and value is not None
+        kwargs[key] = value
+    if not ok:
+        return None
+    try:
+        return cls(**kwargs)
+    except (TypeError, ValueError) as error:
+        problems.append(f"{where}: {error}")
+        return None
+
+
+def policy_from_dict(data: Any, source: str = "<recipe>") -> Policy:
+    """Build a Policy from a parsed recipe; raises ``RecipeError`` listing every problem."""
+    if not isinstance(data, dict):
+        raise RecipeError(source, [f"top level: expected a mapping with keys {', '.join(POLICY_KEYS)}"])
+    problems = [
+        f"{key}: unknown key; allowed: {', '.join(POLICY_KEYS)}" for key in data if key not in POLICY_KEYS
+    ]
+    modules_node = data.get("modules", [])
+    if modules_node is None:
+        modules_node = []
+    if not isinstance(modules_node, list):
+        problems.append("modules: expected a list of components")
+        modules_node = []
+    modules = [_build(node, f"modules[{i}]", problems) for i, node in enumerate(modules_node)]
+    if problems:
+        raise RecipeError(source, problems)
+    try:
+        return Policy(*modules, budget=data.get("budget"), gqa_reduce=data.get("gqa_reduce", "sum"))
+    except (TypeError, ValueError) as error:
+        raise RecipeError(source, [f"policy: {error}"]) from None
+
+
+def _component_dict(component: Component) -> dict[str, Any]:
+    node: dict[str, Any] = {"_component_": type(component).__name__}
+    for key, value in component.params().items():
+        node[key] = _component_dict(value) if isinstance(value, Component) else value
+    return node
+
+
+def policy_to_dict(policy: Policy) -> dict[str, Any]:
+    """The recipe mapping of ``policy`` (inverse of ``policy_from_dict``)."""
+    return {
+        "budget": policy.budget,
+        "gqa_reduce": policy.gqa_reduce,
+        "modules": [_component_dict(m) for m in policy.modules_in_order],
+    }
+
+
+def load_recipe(path: str | Path) -> Policy:
+    """Read a recipe YAML file into a Policy."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"recipe {path} does not exist")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as error:
+        raise RecipeError(str(path), [f"not valid YAML: {error}"]) from None
+    return policy_from_dict(data, source=str(path))
+
+
+def dump_recipe(policy: Policy, path: str | Path | None = None) -> str:
+    """The YAML text of ``policy``; also written to ``path`` when given."""
+    text = yaml.safe_dump(policy_to_dict(policy), sort_keys=False)
+    if path is not None:
+        Path(path).write_text(text)
+    return text

@@ -1,0 +1,120 @@
+"""SlotStore behaviour: windows, sinks, padding, per-row budgets, growth, bounded prefill memory."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import torch
+
+import evictlayers as el
+
+
+def _feed(store, q, k, v, real=None, chunk=1):
+    for start in range(0, k.shape[2], chunk):
+        sl = slice(start, start + chunk)
+        store.step(q[:, :, sl], k[:, :, sl], v[:, :, sl], None if real is None else real[:, sl], scaling=0.5)
+
+
+def _kept(store, b=0, h=0):
+    pos = store.pos[b, h]
+    return sorted(pos[pos >= 0].tolist())
+
+
+def _qkv(batch=1, heads=2, n=30, d=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(batch, heads * 2, n, d, generator=g), torch.randn(batch, heads, n, d, generator=g),
+            torch.randn(batch, heads, n, d, generator=g))
+
+
+def test_local_window_keeps_exactly_the_last_budget_tokens_at_every_step():
+    q, k, v = _qkv()
+    store = el.SlotStore(el.Policy(el.RecentWindow(), budget=7))
+    for i in range(30):
+        _feed(store, q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1])
+        for h in range(2):
+            assert _kept(store, 0, h) == list(range(max(0, i - 6), i + 1))
+
+
+def test_streaming_llm_keeps_sinks_and_recent():
+    q, k, v = _qkv()
+    store = el.SlotStore(el.Policy(el.SinkTokens(4), el.RecentWindow(), budget=10))
+    _feed(store, q, k, v, chunk=5)
+    assert _kept(store) == [0, 1, 2, 3] + list(range(24, 30))
+
+
+def test_retained_never_exceeds_budget_and_store_is_budget_plus_one():
+    q, k, v = _qkv(batch=2)
+    store = el.SlotStore(el.Policy(el.RecentWindow(2), el.HeavyHitterSelector(el.Cumulative()), budget=5))
+    _feed(store, q[:, :, :12], k[:, :, :12], v[:, :, :12], chunk=12)
+    assert store.keys.shape == (2, 2, 6, 8)
+    for i in range(12, 30):
+        _feed(store, q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1])
+        assert int(store.retained().max()) == 5
+        assert store.keys.shape == (2, 2, 6, 8)
+        assert {i - 1, i} <= set(_kept(store, 1, 1))  # the recent window survives
+    assert store.kv_bytes() == 2 * 2 * 2 * 6 * 8 * 4
+
+
+def test_padding_occupies_no_slot_and_padded_row_equals_row_alone():
+    q, k, v = _qkv(batch=1, n=20, seed=1)
+    policy = el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=0.4)
+    alone = el.SlotStore(policy)
+    _feed(alone, q[:, :, :14], k[:, :, :14], v[:, :, :14], chunk=14)
+    # the same 14 tokens after 6 padding columns carrying garbage
+    pad = lambda t: torch.cat([torch.randn(1, t.shape[1], 6, t.shape[3]) * 50, t[:, :, :14]], dim=2)  # noqa: E731
+    real = torch.cat([torch.zeros(1, 6, dtype=torch.bool), torch.ones(1, 14, dtype=torch.bool)], dim=1)
+    padded = el.SlotStore(policy)
+    out_padded = padded.step(pad(q), pad(k), pad(v), real, scaling=0.5)
+    assert padded.budget.tolist() == alone.budget.tolist() == [6]  # 40% of 14 real tokens
+    same_tokens = lambda: torch.equal(padded.pos.sort(-1).values, alone.pos.sort(-1).values)  # noqa: E731
+    assert same_tokens()
+    for i in range(14, 20):
+        a = alone.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], scaling=0.5)
+        b = padded.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], scaling=0.5)
+        torch.testing.assert_close(a, b)
+        assert same_tokens()
+    assert (out_padded[:, :, :6] == 0).all()
+
+
+def test_float_budget_is_per_row():
+    q, k, v = _qkv(batch=2, n=20)
+    real = torch.ones(2, 20, dtype=torch.bool)
+    real[1, :10] = False
+    store = el.SlotStore(el.Policy(el.RecentWindow(), budget=0.5))
+    _feed(store, q, k, v, real, chunk=20)
+    assert store.budget.tolist() == [10, 5]
+    assert store.retained()[:, 0].tolist() == [10, 5]
+    assert store.keys.shape[2] == 11
+
+
+def test_full_cache_grows_and_keeps_everything():
+    q, k, v = _qkv(n=40)
+    store = el.SlotStore(el.Policy(budget=None))
+    _feed(store, q[:, :, :3], k[:, :, :3], v[:, :, :3], chunk=3)
+    _feed(store, q[:, :, 3:], k[:, :, 3:], v[:, :, 3:])
+    assert _kept(store) == list(range(40))
+    assert store.capacity >= 40
+
+
+def test_long_prefill_stays_in_bounded_memory():
+    """A 16k-token prompt prefills without an n x n matrix: peak RSS grows far less than one would need."""
+    script = textwrap.dedent(
+        """
+        import json, resource, torch
+        import evictlayers as el
+        torch.manual_seed(0)
+        n, d = 16384, 8
+        q, k, v = torch.randn(1, 3, n, d), torch.randn(1, 1, n, d), torch.randn(1, 1, n, d)
+        store = el.SlotStore(el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=0.1))
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        store.step(q, k, v, scaling=d ** -0.5)
+        after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        print(json.dumps({"grew_mb": (after - before) / 1024, "retained": int(store.retained().max())}))
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    full_matrix_mb = 3 * 16384 * 16384 * 4 / 2**20  # 3 query heads, float32: 3 GiB
+    assert report["retained"] == 1638
+    assert report["grew_mb"] < 400 < full_matrix_mb
