@@ -145,7 +145,10 @@ class SlotStore:
     def _evict_one(self, view: SlotView) -> None:
         """Algorithm 1 line 12-13: drop the lowest-priority slot of every head that is over budget."""
         over = self.retained() > self.budget[:, None]  # [B, H]
-        victim = self.policy.priority(self.state, view).argmin(-1, keepdim=True)
+        # empty slots rank -inf: a row whose budget is below the batch maximum has some, and argmin
+        # must pick among the tokens it holds, not a free slot (which would evict nothing)
+        priority = self.policy.priority(self.state, view).masked_fill(~view.valid, float("inf"))
+        victim = priority.argmin(-1, keepdim=True)
         evicted_pos = torch.where(over[..., None], -1, self.pos.gather(2, victim))
         self.pos.scatter_(2, victim, evicted_pos)
 
