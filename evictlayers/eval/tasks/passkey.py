@@ -5,11 +5,13 @@ A prompt is an instruction, a haystack of repeated filler sentences with one key
 the question "What is the pass key? The pass key is". A model passes when the first number it
 generates is the key (:func:`score_passkey`). Everything is generated here from a seed: no data set.
 
-Prompt format: with ``chat=None`` (default) the prompt is wrapped in the tokenizer's chat template
-when it has one, as a user turn holding instruction + haystack + question, followed by the assistant
-turn pre-filled with "The pass key is". For SmolLM2-135M-Instruct the chat format scored higher with
-the full cache than raw text in our measurement (8 prompts, ~1500 tokens, greedy); see the
-project notes for the numbers. Pass ``chat=False`` for the raw-text format (base models).
+Prompt format: raw text by default (``chat=False``), also for the instruct default model. Measured
+with SmolLM2-135M-Instruct, full cache, greedy, 8 prompts of ~1500 tokens at depths linspace(0, 1),
+seeds 0-5: raw text 45/48 correct (7, 7, 7, 8, 8, 8), the chat template (user turn = instruction +
+haystack + question, assistant turn pre-filled with "The pass key is") 41/48. Raw text's misses are
+all at depth 1.0, where "... is the pass key. What is the pass key? The pass key is" invites copying
+"the pass key"; the chat format misses at depth ~0.14 every seed. Raw text also needs no template,
+so it works unchanged for base models. ``chat=True`` gives the chat format.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ class PasskeyPrompt:
         text: the full model input as a string (chat-templated if chosen), ending with
             "The pass key is"; tokenise it with the tokenizer's defaults.
         answer: the 5-digit pass key, as a string.
-        depth: where the key sentence sits, as the fraction (0..1) of the filler sentences before it.
+        depth: the requested depth in [0, 1]: the key sentence follows ``round(depth * n)`` of the
+            ``n`` filler sentences (0 = right after the instruction, 1 = right before the question).
         n_tokens: ``len(tokenizer.encode(text))``.
     """
 
@@ -57,12 +60,6 @@ class PasskeyPrompt:
 def key_sentence(answer: str) -> str:
     """The sentence that hides ``answer`` in the haystack."""
     return f"The pass key is {answer}. Remember it. {answer} is the pass key."
-
-
-def _use_chat(tokenizer, chat: bool | None) -> bool:
-    if chat is None:
-        return bool(getattr(tokenizer, "chat_template", None))
-    return chat
 
 
 def _render(tokenizer, chat: bool, n_filler: int, n_before: int, answer: str) -> str:
@@ -82,7 +79,7 @@ def _n_tokens(tokenizer, text: str) -> int:
 
 def _one_prompt(tokenizer, target_tokens: int, depth: float, answer: str, chat: bool) -> PasskeyPrompt:
     """Size the filler to ~``target_tokens``: estimate from the token cost per filler sentence, then
-    correct from the measured length (at most 3 passes) (token counts are near-additive over sentences)."""
+    correct from the measured length, at most 3 passes (token counts are near-additive over sentences)."""
     four, three = (_n_tokens(tokenizer, " ".join(FILLER_SENTENCES * k)) for k in (4, 3))
     per_sentence = max((four - three) / len(FILLER_SENTENCES), 1e-3)  # tokens per filler sentence
     overhead = _n_tokens(tokenizer, _render(tokenizer, chat, 0, 0, answer))
@@ -103,7 +100,7 @@ def passkey_prompts(
     target_tokens: int = 1500,
     depth: float | None = None,
     seed: int = 0,
-    chat: bool | None = None,
+    chat: bool = False,
 ) -> list[PasskeyPrompt]:
     """Passkey prompts of about ``target_tokens`` tokens each, deterministic for ``seed``.
 
@@ -117,7 +114,8 @@ def passkey_prompts(
         depth: fraction (0 = start, 1 = end of the filler) where the key sentence goes; ``None``
             spreads the prompts evenly over 0..1 (``linspace``; a single prompt gets 0.5).
         seed: seeds the keys (uniform 5-digit numbers, 10000..99999).
-        chat: wrap in the tokenizer's chat template; ``None`` = when the tokenizer has one.
+        chat: wrap in the tokenizer's chat template (see the module docstring for why the default
+            is raw text).
 
     Returns:
         ``n_prompts`` :class:`PasskeyPrompt`.
@@ -126,7 +124,8 @@ def passkey_prompts(
         raise ValueError(f"n_prompts must be >= 1, got {n_prompts}")
     if depth is not None and not 0.0 <= depth <= 1.0:
         raise ValueError(f"depth must be a fraction in [0, 1] or None (spread evenly), got {depth}")
-    use_chat = _use_chat(tokenizer, chat)
+    if chat and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("chat=True needs a tokenizer with a chat template; this one has none (use chat=False)")
     rng = random.Random(seed)
     answers = [str(rng.randint(10000, 99999)) for _ in range(n_prompts)]
     if depth is not None:
@@ -135,10 +134,10 @@ def passkey_prompts(
         depths = [0.5]
     else:
         depths = [i / (n_prompts - 1) for i in range(n_prompts)]
-    minimum = _n_tokens(tokenizer, _render(tokenizer, use_chat, 0, 0, answers[0]))
+    minimum = _n_tokens(tokenizer, _render(tokenizer, chat, 0, 0, answers[0]))
     if target_tokens <= minimum:
         raise ValueError(f"target_tokens={target_tokens} is too short: a prompt without filler takes {minimum} tokens")
-    return [_one_prompt(tokenizer, target_tokens, d, a, use_chat) for d, a in zip(depths, answers)]
+    return [_one_prompt(tokenizer, target_tokens, d, a, chat) for d, a in zip(depths, answers)]
 
 
 def passkey_grid(
@@ -147,7 +146,7 @@ def passkey_grid(
     depths: Sequence[float],
     per_cell: int = 1,
     seed: int = 0,
-    chat: bool | None = None,
+    chat: bool = False,
 ) -> dict[tuple[int, float], list[PasskeyPrompt]]:
     """Prompts for a length x depth grid (the "needle in a haystack" heat map).
 
