@@ -123,8 +123,9 @@ class SlotStore:
     def _write_into_free_slot(self, key, value, new_pos) -> None:
         free = self.pos < 0
         if not bool(free.any(-1).all()):
-            # only an unbounded (full) cache runs out of free slots: grow it geometrically
-            self._grow(max(16, self.capacity))
+            # only an unbounded (full) cache runs out of free slots: grow by an eighth (at least 64
+            # slots) so appends stay amortised without doubling the memory of a long prompt
+            self._grow(max(64, self.capacity // 8))
             free = self.pos < 0
         slot = free.int().argmax(-1, keepdim=True)  # [B, H, 1]: the first free slot of each head
         index = slot[..., None].expand(-1, -1, -1, self.keys.shape[-1])

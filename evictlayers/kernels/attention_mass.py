@@ -66,19 +66,23 @@ def attention_with_mass(
     chunk = max(1, max_chunk_elements // max(1, batch * q_heads * n_slots))
     for start in range(0, q_len, chunk):
         stop = min(q_len, start + chunk)
-        logits = torch.einsum("bhgqd,bhnd->bhgqn", grouped_query[:, :, :, start:stop], keys) * scaling
+        q_pos = query_pos[:, None, None, start:stop, None]
+        # slots past the last one any query of the chunk can see are skipped: at prefill the slots are
+        # in position order, so this halves the work of a causal prompt
+        seen_by_chunk = (key_pos >= 0) & (key_pos <= query_pos[:, start:stop].amax())
+        limit = int(seen_by_chunk.any(0).any(0).nonzero().max()) + 1 if bool(seen_by_chunk.any()) else 1
+        logits = torch.einsum("bhgqd,bhnd->bhgqn", grouped_query[:, :, :, start:stop], keys[:, :, :limit])
+        logits *= scaling
         if softcap is not None:
             logits = torch.tanh(logits / softcap) * softcap
-        q_pos = query_pos[:, None, None, start:stop, None]
-        allowed = key_valid & (key_pos_b <= q_pos) & (q_pos >= 0)
+        hidden = ~(key_valid[..., :limit] & (key_pos_b[..., :limit] <= q_pos) & (q_pos >= 0))
         if sliding_window is not None:
-            allowed = allowed & (q_pos - key_pos_b < sliding_window)
-        logits = logits.masked_fill(~allowed, float("-inf"))
-        probs = torch.softmax(logits, dim=-1)
-        # a query that sees no key (padding) gives NaN rows: it contributes nothing instead
-        probs = torch.where(allowed.any(dim=-1, keepdim=True), probs, 0.0)
-        out[:, :, :, start:stop] = torch.einsum("bhgqn,bhnd->bhgqd", probs, values)
-        per_head_mass += probs.sum(dim=3)
+            hidden |= q_pos - key_pos_b[..., :limit] >= sliding_window
+        probs = torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1)
+        # a query that sees no key (padding) gives a NaN row: it contributes nothing instead
+        probs.nan_to_num_(0.0)
+        out[:, :, :, start:stop] = torch.einsum("bhgqn,bhnd->bhgqd", probs, values[:, :, :limit])
+        per_head_mass[..., :limit] += probs.sum(dim=3)
 
     if gqa_reduce == "sum":
         mass = per_head_mass.sum(dim=2)
