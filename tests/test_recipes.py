@@ -38,7 +38,7 @@ def test_bad_recipe_reports_every_problem_with_file_and_key(tmp_path):
         el.load_recipe(path)
     text = str(error.value)
     assert str(path) in text
-    assert "window: unknown key; allowed: budget, modules, gqa_reduce" in text
+    assert "window: unknown key; allowed: budget, modules, drop, allocation, gqa_reduce" in text
     assert "modules[0]._component_: unknown component 'RecentWindo'; allowed:" in text and "RecentWindow" in text
     assert "modules[1].accumulator.decay: unknown argument of Cumulative" in text
     assert "modules[2]: SinkTokens(count=0): count must be an int >= 1" in text

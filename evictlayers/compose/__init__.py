@@ -1,7 +1,8 @@
 """Policies, budgets, the per-layer slot store that runs them, and recipe YAML."""
 
+from evictlayers.compose.allocation import Allocation, Pyramid, Ramp, Uniform
 from evictlayers.compose.policy import Policy
 from evictlayers.compose.recipes import RecipeError, dump_recipe, load_recipe
 from evictlayers.compose.store import SlotStore
 
-__all__ = ["Policy", "RecipeError", "SlotStore", "dump_recipe", "load_recipe"]
+__all__ = ["Allocation", "Policy", "Pyramid", "Ramp", "Uniform", "RecipeError", "SlotStore", "dump_recipe", "load_recipe"]

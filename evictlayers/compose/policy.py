@@ -8,9 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from evictlayers.compose.allocation import Allocation, Uniform
 from evictlayers.kernels import GQA_REDUCTIONS
 from evictlayers.modules import HeavyHitterSelector, Protection
-from evictlayers.scoring import SlotView
+from evictlayers.scoring import Observation, SlotView
 
 SELECTORS = (HeavyHitterSelector,)
 
@@ -30,9 +31,20 @@ class Policy(nn.Module):
     head, a ``float`` in ``(0, 1]`` (that fraction of each row's prompt, rounded half up, fixed once
     the prompt is seen: "the first forward call"), or ``None`` for a full cache that never evicts.
     ``gqa_reduce`` combines the attention mass of the query heads sharing a KV head (sum/mean/max).
+    ``drop`` is how many tokens go at once when a head exceeds its budget: ``1`` (H2O Algorithm 1,
+    at most one eviction per step) or Scissorhands' drop amount ``m`` (Algorithm 2), an ``int`` or a
+    ``float`` fraction of the budget (the paper uses ``m = 0.5 B``). ``allocation`` splits the budget
+    across layers (``Uniform``, ``Ramp``, ``Pyramid``; the budget is the per-layer mean).
     """
 
-    def __init__(self, *modules: nn.Module, budget: int | float | None = None, gqa_reduce: str = "sum"):
+    def __init__(
+        self,
+        *modules: nn.Module,
+        budget: int | float | None = None,
+        drop: int | float = 1,
+        allocation: Allocation | None = None,
+        gqa_reduce: str = "sum",
+    ):
         super().__init__()
         protections: list[Protection] = []
         selectors: list[nn.Module] = []
@@ -60,12 +72,17 @@ class Policy(nn.Module):
                 "fraction of the budget)"
             )
         self._check_budget(budget)
+        self._check_drop(drop, budget)
+        if allocation is not None and not isinstance(allocation, Allocation):
+            raise TypeError(f"Policy(allocation={allocation!r}): expected Uniform(), Ramp(...) or Pyramid(...)")
         if gqa_reduce not in GQA_REDUCTIONS:
             raise ValueError(f"Policy(gqa_reduce={gqa_reduce!r}): expected one of {GQA_REDUCTIONS}")
         # the open-ended RecentWindow reserves last: it takes what the others leave
         self.protections = nn.ModuleList(sorted(protections, key=lambda m: m in open_ended))
         self.selector = selectors[0] if selectors else None
         self.budget = budget
+        self.drop = drop
+        self.allocation = allocation if allocation is not None else Uniform()
         self.gqa_reduce = gqa_reduce
         if isinstance(budget, int):
             self._check_fits(torch.tensor([budget]), where=f"budget={budget} tokens per head")
@@ -84,6 +101,20 @@ class Policy(nn.Module):
                 "use an int for a number of tokens"
             )
 
+    @staticmethod
+    def _check_drop(drop: Any, budget: Any) -> None:
+        if isinstance(drop, bool) or not isinstance(drop, (int, float)):
+            raise TypeError(f"Policy(drop={drop!r}): expected an int >= 1 (tokens) or a float in (0, 1) of the budget")
+        if isinstance(drop, int) and drop < 1:
+            raise ValueError(f"Policy(drop={drop}): an int drop amount must be >= 1 token")
+        if isinstance(drop, float) and not 0.0 < drop < 1.0:
+            raise ValueError(f"Policy(drop={drop}): a float drop amount is a fraction of the budget, in (0, 1)")
+        if isinstance(drop, int) and isinstance(budget, int) and 1 < drop >= budget:
+            raise ValueError(
+                f"Policy(drop={drop}, budget={budget}): the drop amount must be below the budget "
+                f"(allowed: 1..{budget - 1} tokens)"
+            )
+
     @property
     def modules_in_order(self) -> list[nn.Module]:
         """The modules as a recipe lists them: protections, then the selector."""
@@ -95,13 +126,16 @@ class Policy(nn.Module):
             and self.modules_in_order == other.modules_in_order
             and self.budget == other.budget
             and type(self.budget) is type(other.budget)
+            and self.drop == other.drop
+            and type(self.drop) is type(other.drop)
+            and self.allocation == other.allocation
             and self.gqa_reduce == other.gqa_reduce
         )
 
     __hash__ = nn.Module.__hash__
 
     def extra_repr(self) -> str:
-        return f"{_describe_budget(self.budget)}, gqa_reduce={self.gqa_reduce!r}"
+        return f"{_describe_budget(self.budget)}, drop={self.drop!r}, gqa_reduce={self.gqa_reduce!r}"
 
     # ---- budgets -------------------------------------------------------------------------------
 
@@ -131,15 +165,37 @@ class Policy(nn.Module):
                 f"{parts} = {int(total[row])}; raise the budget or shrink the protections"
             )
 
-    def resolve_budget(self, prompt_len: torch.Tensor) -> torch.Tensor | None:
-        """``[B]`` int64 tokens per KV head for each row, from its real prompt length ``[B]``."""
+    def resolve_budget(self, prompt_len: torch.Tensor, layer_idx: int = 0, num_layers: int = 1) -> torch.Tensor | None:
+        """``[B]`` int64 tokens per KV head of layer ``layer_idx`` for each row, from the rows' real
+        prompt lengths ``[B]``; the allocation splits the budget across ``num_layers`` layers."""
         if self.budget is None:
             return None
         if isinstance(self.budget, int):
-            return torch.full_like(prompt_len, self.budget)
-        budget = torch.floor(prompt_len.double() * self.budget + 0.5).long().clamp(min=1)
-        self._check_fits(budget, where=f"budget={self.budget} of a {int(prompt_len.max())}-token prompt")
+            budget = torch.full_like(prompt_len, self.budget)
+            where = f"budget={self.budget} tokens per head"
+        else:
+            budget = torch.floor(prompt_len.double() * self.budget + 0.5).long().clamp(min=1)
+            where = f"budget={self.budget} of a {int(prompt_len.max())}-token prompt"
+        if num_layers > 1:
+            budget = self.allocation.layer_budgets(budget, num_layers)[layer_idx]
+            where += f", layer {layer_idx} of {num_layers} under {self.allocation!r}"
+        if bool((budget < 1).any()):
+            raise ValueError(f"Policy {where}: the layer gets {int(budget.min())} tokens; every layer needs >= 1")
+        self._check_fits(budget, where=where)
+        drop = self.drop_amount(budget)
+        too_big = (drop >= budget) & (drop > 1)  # dropping 1 of a 1-token budget is H2O's k = 1
+        if bool(too_big.any()):
+            row = int(too_big.nonzero()[0])
+            raise ValueError(
+                f"Policy {where}: drop amount {int(drop[row])} is not below the budget {int(budget[row])}"
+            )
         return budget
+
+    def drop_amount(self, budget: torch.Tensor) -> torch.Tensor:
+        """``[B]`` int64 tokens evicted at once when a head exceeds ``budget``."""
+        if isinstance(self.drop, int):
+            return torch.full_like(budget, self.drop)
+        return torch.floor(budget.double() * self.drop).long().clamp(min=1)
 
     # ---- per-step scoring and ranking ----------------------------------------------------------
 
@@ -147,10 +203,19 @@ class Policy(nn.Module):
     def state_specs(self) -> dict[str, tuple[int, ...]]:
         return dict(self.selector.state_specs) if self.selector is not None else {}
 
-    def observe(self, state: dict[str, torch.Tensor], mass: torch.Tensor, view: SlotView) -> None:
-        """Let the scorers fold this step's attention mass into their state."""
+    @property
+    def rows_needed(self) -> int:
+        """How many of a step's last query rows the scorers read individually."""
+        return self.selector.rows_needed if self.selector is not None else 0
+
+    def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B, Q]`` factor on the logits of the scoring softmax, or ``None`` to score with the model's."""
+        return self.selector.score_gain(query_pos, budget) if self.selector is not None else None
+
+    def observe(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
+        """Let the scorers fold this step's attention into their state."""
         if self.selector is not None:
-            self.selector.update(state, mass, view)
+            self.selector.update(state, observation, view)
 
     def priority(self, state: dict[str, torch.Tensor], view: SlotView) -> torch.Tensor:
         """``[B, H_kv, N]`` float: higher is kept longer; protected slots ``+inf``, empty ``-inf``."""

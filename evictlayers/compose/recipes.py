@@ -4,6 +4,10 @@ A recipe maps straight onto constructors (torchtune style): every component is a
 ``_component_`` key names the class and whose other keys are its constructor arguments::
 
     budget: 0.2            # int tokens per head, float fraction of the prompt, or null (full cache)
+    drop: 1                # optional: tokens evicted at once (int) or a fraction of the budget (float)
+    allocation:            # optional: Uniform (default), Ramp or Pyramid
+      _component_: Ramp
+      spread: 0.5
     gqa_reduce: sum        # optional
     modules:
       - _component_: RecentWindow
@@ -24,14 +28,16 @@ from typing import Any
 
 import yaml
 
+from evictlayers.compose.allocation import Pyramid, Ramp, Uniform
 from evictlayers.compose.policy import Policy
 from evictlayers.modules import HeavyHitterSelector, RecentWindow, SinkTokens
 from evictlayers.scoring import Averaged, Component, Cumulative
 
 COMPONENTS: dict[str, type[Component]] = {
-    cls.__name__: cls for cls in (RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged)
+    cls.__name__: cls
+    for cls in (RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged, Uniform, Ramp, Pyramid)
 }
-POLICY_KEYS = ("budget", "modules", "gqa_reduce")
+POLICY_KEYS = ("budget", "modules", "drop", "allocation", "gqa_reduce")
 
 
 class RecipeError(ValueError):
@@ -88,10 +94,17 @@ def policy_from_dict(data: Any, source: str = "<recipe>") -> Policy:
         problems.append("modules: expected a list of components")
         modules_node = []
     modules = [_build(node, f"modules[{i}]", problems) for i, node in enumerate(modules_node)]
+    allocation = _build(data["allocation"], "allocation", problems) if data.get("allocation") is not None else None
     if problems:
         raise RecipeError(source, problems)
     try:
-        return Policy(*modules, budget=data.get("budget"), gqa_reduce=data.get("gqa_reduce", "sum"))
+        return Policy(
+            *modules,
+            budget=data.get("budget"),
+            drop=data.get("drop", 1),
+            allocation=allocation,
+            gqa_reduce=data.get("gqa_reduce", "sum"),
+        )
     except (TypeError, ValueError) as error:
         raise RecipeError(source, [f"policy: {error}"]) from None
 
@@ -107,6 +120,8 @@ def policy_to_dict(policy: Policy) -> dict[str, Any]:
     """The recipe mapping of ``policy`` (inverse of ``policy_from_dict``)."""
     return {
         "budget": policy.budget,
+        "drop": policy.drop,
+        "allocation": _component_dict(policy.allocation),
         "gqa_reduce": policy.gqa_reduce,
         "modules": [_component_dict(m) for m in policy.modules_in_order],
     }

@@ -12,14 +12,15 @@ import torch
 
 from evictlayers.compose.policy import Policy
 from evictlayers.kernels import attention_with_mass
-from evictlayers.scoring import SlotView
+from evictlayers.scoring import Observation, SlotView
 
 
 class SlotStore:
     """Keys, values, positions and policy state of one attention layer for one batch of sequences."""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, layer_idx: int = 0, num_layers: int = 1):
         self.policy = policy
+        self.layer_idx, self.num_layers = layer_idx, num_layers
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
@@ -71,7 +72,7 @@ class SlotStore:
             real = torch.ones(batch, q_len, dtype=torch.bool, device=key.device)
         if self.seen is None:
             self.seen = torch.zeros(batch, dtype=torch.long, device=key.device)
-            self.budget = self.policy.resolve_budget(real.sum(1))
+            self.budget = self.policy.resolve_budget(real.sum(1), self.layer_idx, self.num_layers)
         elif self.seen.shape[0] != batch:
             raise ValueError(f"this cache holds {self.seen.shape[0]} sequences but the step has batch size {batch}")
         query_pos = torch.where(real, self.seen[:, None] + real.long().cumsum(1) - 1, -1)
@@ -84,21 +85,32 @@ class SlotStore:
         else:
             keys, values, pos, state = self._concatenated(key, value, new_pos)
 
-        out, mass = attention_with_mass(
+        attention = attention_with_mass(
             query, keys, values, query_pos, pos,
             scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=self.policy.gqa_reduce,
+            score_gain=self.policy.score_gain(query_pos, self.budget), keep_rows=self.policy.rows_needed,
+        )
+        n_rows = attention.rows.shape[2]
+        observation = Observation(
+            mass=attention.mass,
+            rows=attention.rows,
+            row_pos=query_pos[:, q_len - n_rows :],
+            row_index=torch.arange(self.seq_len + q_len - n_rows, self.seq_len + q_len, device=key.device),
+            values=values,
+            group_size=query.shape[1] // kv_heads,
+            gqa_reduce=self.policy.gqa_reduce,
         )
         self.seen = self.seen + real.sum(1)
         self.seq_len += q_len
         view = SlotView(pos=pos, seen=self.seen, budget=self.budget)
-        self.policy.observe(state, mass, view)
+        self.policy.observe(state, observation, view)
 
         if in_place:
             if self.budget is not None:
-                self._evict_one(view)
+                self._evict_over_budget(view)
         else:
             self._keep_best(keys, values, pos, state, view)
-        return out
+        return attention.out
 
     # ---- slot bookkeeping ----------------------------------------------------------------------
 
@@ -143,15 +155,20 @@ class SlotStore:
         self.pos = pad(self.pos, -1)
         self.state = {name: pad(t, 0.0) for name, t in self.state.items()}
 
-    def _evict_one(self, view: SlotView) -> None:
-        """Algorithm 1 line 12-13: drop the lowest-priority slot of every head that is over budget."""
+    def _evict_over_budget(self, view: SlotView) -> None:
+        """Heads over budget drop their ``drop`` lowest-priority slots (H2O Algorithm 1 lines 12-13
+        with ``drop = 1``; Scissorhands Algorithm 2 with drop amount ``m``)."""
         over = self.retained() > self.budget[:, None]  # [B, H]
-        # empty slots rank -inf: a row whose budget is below the batch maximum has some, and argmin
-        # must pick among the tokens it holds, not a free slot (which would evict nothing)
+        if not bool(over.any()):
+            return
+        drop = self.policy.drop_amount(self.budget)  # [B]
+        most = min(int(drop.max()), self.capacity)
+        # empty slots rank +inf here: a row whose budget is below the batch maximum has some, and the
+        # pick must be among the tokens it holds, not a free slot (which would evict nothing)
         priority = self.policy.priority(self.state, view).masked_fill(~view.valid, float("inf"))
-        victim = priority.argmin(-1, keepdim=True)
-        evicted_pos = torch.where(over[..., None], -1, self.pos.gather(2, victim))
-        self.pos.scatter_(2, victim, evicted_pos)
+        victims = priority.topk(most, dim=-1, largest=False, sorted=True).indices  # [B, H, most]
+        chosen = over[..., None] & (torch.arange(most, device=drop.device) < drop[:, None, None])
+        self.pos.scatter_(2, victims, torch.where(chosen, -1, self.pos.gather(2, victims)))
 
     def _keep_best(self, keys, values, pos, state, view: SlotView) -> None:
         """After a multi-token step: keep each head's top-``budget`` slots in a ``budget + 1`` store."""

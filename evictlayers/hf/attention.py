@@ -56,7 +56,7 @@ def evicting_attention(
             real = torch.ones(query.shape[0], query.shape[2], dtype=torch.bool, device=query.device)
         pos = torch.where(real, real.long().cumsum(1) - 1, -1)
         key_pos = pos[:, None, :].expand(-1, key.shape[1], -1)
-        out, _ = attention_with_mass(query, key, value, pos, key_pos, **options)
+        out = attention_with_mass(query, key, value, pos, key_pos, **options).out
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -20,9 +20,9 @@ class EvictionLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, layer_idx: int = 0, num_layers: int = 1):
         super().__init__()
-        self.store = SlotStore(policy)
+        self.store = SlotStore(policy, layer_idx, num_layers)
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -88,7 +88,7 @@ class EvictionLayer(CacheLayerMixin):
             store.budget = store.budget.index_select(0, index)
 
     def reset(self) -> None:
-        self.store = SlotStore(self.store.policy)
+        self.store = SlotStore(self.store.policy, self.store.layer_idx, self.store.num_layers)
         self.staged = None
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -99,7 +99,7 @@ class EvictionCache(Cache):
     """A ``transformers`` cache whose layers keep only what ``policy`` selects."""
 
     def __init__(self, policy: Policy, num_layers: int):
-        super().__init__(layers=[EvictionLayer(policy) for _ in range(num_layers)])
+        super().__init__(layers=[EvictionLayer(policy, i, num_layers) for i in range(num_layers)])
         self.policy = policy
 
     def stats(self) -> dict:

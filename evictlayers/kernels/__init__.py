@@ -3,6 +3,6 @@
 Each op has a plain PyTorch reference here; accelerated kernels must keep the same signature.
 """
 
-from evictlayers.kernels.attention_mass import GQA_REDUCTIONS, attention_with_mass
+from evictlayers.kernels.attention_mass import GQA_REDUCTIONS, AttentionMass, attention_with_mass
 
-__all__ = ["GQA_REDUCTIONS", "attention_with_mass"]
+__all__ = ["GQA_REDUCTIONS", "AttentionMass", "attention_with_mass"]

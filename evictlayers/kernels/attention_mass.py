@@ -1,16 +1,46 @@
 """Attention over unordered KV slots that also returns the probability mass each slot received.
 
 This is the reference implementation (pure PyTorch). It is what every eviction policy scores with:
-H2O's accumulated attention (Algorithm 1, lines 8-9) is the sum of these column masses over steps.
+H2O's accumulated attention (Algorithm 1, lines 8-9) is the sum of these column masses over steps;
+AhaKV's recent accumulation (Eq. 5) and Scissorhands' low-score counter (Algorithm 2) read the last
+query rows individually (``keep_rows``); AhaKV's SG-softmax (Eq. 9) scores with re-scaled logits
+(``score_gain``) while the output keeps the model's own softmax.
 The query axis is processed in chunks, so a long prefill never materialises an ``[H, n, n]`` matrix:
-the peak extra memory is ``B * H_q * chunk * N`` floats (``max_chunk_elements`` bounds it).
+the peak extra memory is about ``B * H_q * chunk * N`` floats (``max_chunk_elements`` bounds it).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 GQA_REDUCTIONS = ("sum", "mean", "max")
+
+
+class AttentionMass(NamedTuple):
+    """What ``attention_with_mass`` returns.
+
+    Attributes:
+        out: ``[B, H_q, Q, D_v]`` attention output, in the query dtype (zero for padding queries).
+        mass: ``[B, H_kv, N]`` float32 scoring probability each slot received, summed over the
+            queries and reduced over each GQA group.
+        rows: ``[B, H_kv, R, N]`` float32 scoring probabilities of the last ``R = min(keep_rows, Q)``
+            queries, each reduced over its GQA group (``R = 0`` when not asked for).
+    """
+
+    out: torch.Tensor
+    mass: torch.Tensor
+    rows: torch.Tensor
+
+
+def _reduce_group(per_head: torch.Tensor, how: str) -> torch.Tensor:
+    """Combine the query heads of each GQA group (dim 2)."""
+    if how == "sum":
+        return per_head.sum(dim=2)
+    if how == "mean":
+        return per_head.mean(dim=2)
+    return per_head.amax(dim=2)
 
 
 def attention_with_mass(
@@ -24,8 +54,10 @@ def attention_with_mass(
     softcap: float | None = None,
     sliding_window: int | None = None,
     gqa_reduce: str = "sum",
+    score_gain: torch.Tensor | None = None,
+    keep_rows: int = 0,
     max_chunk_elements: int = 1 << 24,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> AttentionMass:
     """Causal attention over slots addressed by original position.
 
     Args:
@@ -38,14 +70,13 @@ def attention_with_mass(
         scaling: logit scale (``1/sqrt(D)`` for most models).
         softcap: Gemma2-style logit soft-capping ``tanh(x / c) * c``, applied after scaling.
         sliding_window: a key is visible only if ``query_pos - key_pos < sliding_window``.
-        gqa_reduce: how the query heads sharing one KV head combine their column masses:
-            ``"sum"``, ``"mean"`` or ``"max"`` (max of the per-head column sums).
+        gqa_reduce: how the query heads sharing one KV head combine their probabilities:
+            ``"sum"``, ``"mean"`` or ``"max"`` (for ``mass``: max of the per-head column sums).
+        score_gain: ``[B, Q]`` factor on the model's (scaled, soft-capped) logits for the scoring
+            softmax only; ``None`` scores with the model's own probabilities. A gain of 0 scores
+            uniformly over the visible slots.
+        keep_rows: also return the scoring probabilities of the last ``keep_rows`` queries.
         max_chunk_elements: bound on the logits held at once; sets the query chunk size.
-
-    Returns:
-        ``(out, mass)``: ``out`` is ``[B, H_q, Q, D_v]`` in the query dtype; ``mass`` is
-        ``[B, H_kv, N]`` float32, the attention probability each slot received, summed over the
-        queries (and reduced over each GQA group).
     """
     if gqa_reduce not in GQA_REDUCTIONS:
         raise ValueError(f"gqa_reduce={gqa_reduce!r} is not one of {GQA_REDUCTIONS}")
@@ -54,6 +85,8 @@ def attention_with_mass(
     if q_heads % kv_heads:
         raise ValueError(f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")
     groups = q_heads // kv_heads
+    n_rows = min(max(keep_rows, 0), q_len)
+    first_kept_row = q_len - n_rows
 
     keys = key.float()
     values = value.float()
@@ -63,6 +96,7 @@ def attention_with_mass(
 
     out = torch.empty(batch, kv_heads, groups, q_len, value.shape[-1], dtype=torch.float32, device=query.device)
     per_head_mass = torch.zeros(batch, kv_heads, groups, n_slots, dtype=torch.float32, device=query.device)
+    rows = torch.zeros(batch, kv_heads, n_rows, n_slots, dtype=torch.float32, device=query.device)
     chunk = max(1, max_chunk_elements // max(1, batch * q_heads * n_slots))
     for start in range(0, q_len, chunk):
         stop = min(q_len, start + chunk)
@@ -78,16 +112,21 @@ def attention_with_mass(
         hidden = ~(key_valid[..., :limit] & (key_pos_b[..., :limit] <= q_pos) & (q_pos >= 0))
         if sliding_window is not None:
             hidden |= q_pos - key_pos_b[..., :limit] >= sliding_window
+        score_logits = None
+        if score_gain is not None:
+            score_logits = logits * score_gain[:, None, None, start:stop, None].float()
         probs = torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1)
         # a query that sees no key (padding) gives a NaN row: it contributes nothing instead
         probs.nan_to_num_(0.0)
         out[:, :, :, start:stop] = torch.einsum("bhgqn,bhnd->bhgqd", probs, values[:, :, :limit])
+        if score_logits is not None:
+            probs = torch.softmax(score_logits.masked_fill_(hidden, float("-inf")), dim=-1).nan_to_num_(0.0)
         per_head_mass[..., :limit] += probs.sum(dim=3)
+        if n_rows and stop > first_kept_row:
+            lo = max(start, first_kept_row)
+            rows[:, :, lo - first_kept_row : stop - first_kept_row, :limit] = _reduce_group(
+                probs[:, :, :, lo - start :], gqa_reduce
+            )
 
-    if gqa_reduce == "sum":
-        mass = per_head_mass.sum(dim=2)
-    elif gqa_reduce == "mean":
-        mass = per_head_mass.mean(dim=2)
-    else:
-        mass = per_head_mass.amax(dim=2)
-    return out.view(batch, q_heads, q_len, -1).to(query.dtype), mass
+    mass = _reduce_group(per_head_mass, gqa_reduce)
+    return AttentionMass(out.view(batch, q_heads, q_len, -1).to(query.dtype), mass, rows)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from evictlayers.scoring import Component, ScoreAccumulator, SlotView
+from evictlayers.scoring import Component, Observation, ScoreAccumulator, SlotView
 
 
 class HeavyHitterSelector(Component):
@@ -31,8 +31,16 @@ class HeavyHitterSelector(Component):
     def state_specs(self) -> dict[str, tuple[int, ...]]:
         return self.accumulator.state_specs
 
-    def update(self, state: dict[str, torch.Tensor], mass: torch.Tensor, view: SlotView) -> None:
-        self.accumulator.update(state, mass, view)
+    @property
+    def rows_needed(self) -> int:
+        return self.accumulator.rows_needed
+
+    def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B, Q]`` factor on the logits of the scoring softmax, or ``None`` for the model's own."""
+        return None
+
+    def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
+        self.accumulator.update(state, observation, view)
 
     def score(self, state: dict[str, torch.Tensor], view: SlotView) -> torch.Tensor:
         return self.accumulator.score(state, view)

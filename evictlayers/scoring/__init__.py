@@ -4,6 +4,6 @@ from evictlayers.scoring.accumulator import ScoreAccumulator
 from evictlayers.scoring.averaged import Averaged
 from evictlayers.scoring.component import Component
 from evictlayers.scoring.cumulative import Cumulative
-from evictlayers.scoring.view import SlotView
+from evictlayers.scoring.view import Observation, SlotView
 
-__all__ = ["Averaged", "Component", "Cumulative", "ScoreAccumulator", "SlotView"]
+__all__ = ["Averaged", "Component", "Cumulative", "Observation", "ScoreAccumulator", "SlotView"]

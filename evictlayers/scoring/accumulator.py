@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from evictlayers.scoring.component import Component
-from evictlayers.scoring.view import SlotView
+from evictlayers.scoring.view import Observation, SlotView
 
 
 class ScoreAccumulator(Component):
@@ -17,9 +17,10 @@ class ScoreAccumulator(Component):
     """
 
     state_specs: dict[str, tuple[int, ...]] = {}
+    rows_needed: int = 0  # how many of a step's last query rows ``Observation.rows`` must hold
 
-    def update(self, state: dict[str, torch.Tensor], mass: torch.Tensor, view: SlotView) -> None:
-        """Fold this step's ``mass`` (``[B, H_kv, N]``, summed over the step's queries) into ``state`` in place."""
+    def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
+        """Fold this step's attention into ``state`` in place."""
         raise NotImplementedError
 
     def score(self, state: dict[str, torch.Tensor], view: SlotView) -> torch.Tensor:

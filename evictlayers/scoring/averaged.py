@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from evictlayers.scoring.accumulator import ScoreAccumulator
-from evictlayers.scoring.view import SlotView
+from evictlayers.scoring.view import Observation, SlotView
 
 
 class Averaged(ScoreAccumulator):
@@ -18,8 +18,8 @@ class Averaged(ScoreAccumulator):
 
     state_specs = {"score": ()}
 
-    def update(self, state: dict[str, torch.Tensor], mass: torch.Tensor, view: SlotView) -> None:
-        state["score"] += mass
+    def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
+        state["score"] += observation.mass
 
     def score(self, state: dict[str, torch.Tensor], view: SlotView) -> torch.Tensor:
         return state["score"] / view.age

@@ -30,3 +30,29 @@ class SlotView:
     def age(self) -> torch.Tensor:
         """``[B, H_kv, N]`` int64: queries that could attend to each slot's token so far (itself included)."""
         return (self.seen[:, None, None] - self.pos).clamp(min=1)
+
+
+@dataclass
+class Observation:
+    """What one step's attention tells the scorers about the slots of ``SlotView``.
+
+    Attributes:
+        mass: ``[B, H_kv, N]`` scoring probability each slot received, summed over the step's
+            queries and reduced over each GQA group.
+        rows: ``[B, H_kv, R, N]`` the same for each of the step's last ``R`` queries (``R`` is what the
+            policy asked for, at most the step's query count).
+        row_pos: ``[B, R]`` int64 original position of those queries, ``-1`` for padding.
+        row_index: ``[R]`` int64 running index of those queries among every query column this layer
+            has processed (padding included): ring buffers of the last ``r`` rows index by it.
+        values: ``[B, H_kv, N, D_v]`` the slots' values.
+        group_size: query heads per KV head (GQA group).
+        gqa_reduce: how the group's probabilities were combined (``"sum"``, ``"mean"``, ``"max"``).
+    """
+
+    mass: torch.Tensor
+    rows: torch.Tensor
+    row_pos: torch.Tensor
+    row_index: torch.Tensor
+    values: torch.Tensor
+    group_size: int
+    gqa_reduce: str
