@@ -1,5 +1,6 @@
 """evictlayers: bounded KV caches for Hugging Face decoders, with eviction policies from the literature."""
 
+from evictlayers import models
 from evictlayers.compose import Policy, Pyramid, Ramp, RecipeError, SlotStore, Uniform, dump_recipe, load_recipe
 from evictlayers.hf import EvictionCache, UnsupportedModelError, apply
 from evictlayers.modules import HeavyHitterSelector, RecentWindow, SinkTokens
@@ -22,4 +23,5 @@ __all__ = [
     "apply",
     "dump_recipe",
     "load_recipe",
+    "models",
 ]
