@@ -4,13 +4,14 @@ from evictlayers import models
 from evictlayers.compose import Policy, Pyramid, Ramp, RecipeError, SlotStore, Uniform, dump_recipe, load_recipe
 from evictlayers.hf import EvictionCache, UnsupportedModelError, apply
 from evictlayers.modules import HeavyHitterSelector, RecentWindow, SinkTokens
-from evictlayers.scoring import Averaged, Cumulative
+from evictlayers.scoring import Averaged, Cumulative, LowScoreCounter, StepGainSoftmax, ValuePrior, Windowed
 
 __all__ = [
     "Averaged",
     "Cumulative",
     "EvictionCache",
     "HeavyHitterSelector",
+    "LowScoreCounter",
     "Policy",
     "Pyramid",
     "Ramp",
@@ -18,8 +19,11 @@ __all__ = [
     "RecentWindow",
     "SinkTokens",
     "SlotStore",
+    "StepGainSoftmax",
     "Uniform",
     "UnsupportedModelError",
+    "ValuePrior",
+    "Windowed",
     "apply",
     "dump_recipe",
     "load_recipe",

@@ -31,11 +31,22 @@ import yaml
 from evictlayers.compose.allocation import Pyramid, Ramp, Uniform
 from evictlayers.compose.policy import Policy
 from evictlayers.modules import HeavyHitterSelector, RecentWindow, SinkTokens
-from evictlayers.scoring import Averaged, Component, Cumulative
+from evictlayers.scoring import (
+    Averaged,
+    Component,
+    Cumulative,
+    LowScoreCounter,
+    StepGainSoftmax,
+    ValuePrior,
+    Windowed,
+)
 
 COMPONENTS: dict[str, type[Component]] = {
     cls.__name__: cls
-    for cls in (RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged, Uniform, Ramp, Pyramid)
+    for cls in (
+        RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged, Uniform, Ramp, Pyramid,
+        Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior,
+    )
 }
 POLICY_KEYS = ("budget", "modules", "drop", "allocation", "gqa_reduce")
 

@@ -1,9 +1,27 @@
-"""How important a token is: accumulators over the attention mass each slot receives."""
+"""How important a token is: accumulators over the attention mass each slot receives, the softmax
+transform they score with, and per-slot priors."""
 
 from evictlayers.scoring.accumulator import ScoreAccumulator
 from evictlayers.scoring.averaged import Averaged
 from evictlayers.scoring.component import Component
 from evictlayers.scoring.cumulative import Cumulative
+from evictlayers.scoring.low_score_counter import LowScoreCounter
+from evictlayers.scoring.step_gain import ScoreTransform, StepGainSoftmax
+from evictlayers.scoring.value_prior import ScorePrior, ValuePrior
 from evictlayers.scoring.view import Observation, SlotView
+from evictlayers.scoring.windowed import Windowed
 
-__all__ = ["Averaged", "Component", "Cumulative", "Observation", "ScoreAccumulator", "SlotView"]
+__all__ = [
+    "Averaged",
+    "Component",
+    "Cumulative",
+    "LowScoreCounter",
+    "Observation",
+    "ScoreAccumulator",
+    "ScorePrior",
+    "ScoreTransform",
+    "SlotView",
+    "StepGainSoftmax",
+    "ValuePrior",
+    "Windowed",
+]
