@@ -166,7 +166,12 @@ class SlotStore:
         # empty slots rank +inf here: a row whose budget is below the batch maximum has some, and the
         # pick must be among the tokens it holds, not a free slot (which would evict nothing)
         priority = self.policy.priority(self.state, view).masked_fill(~view.valid, float("inf"))
-        victims = priority.topk(most, dim=-1, largest=False, sorted=True).indices  # [B, H, most]
+        # equal priorities go oldest first: when the drop amount exceeds the unprotected slots, the
+        # protected ones (all +inf) must leave in age order, not in topk's arbitrary tie order (which
+        # evicted the token just inserted from a Local window)
+        by_age = view.pos.masked_fill(~view.valid, torch.iinfo(torch.long).max).argsort(-1)
+        order = priority.gather(-1, by_age).argsort(dim=-1, stable=True)[..., :most]
+        victims = by_age.gather(-1, order)  # [B, H, most]
         chosen = over[..., None] & (torch.arange(most, device=drop.device) < drop[:, None, None])
         self.pos.scatter_(2, victims, torch.where(chosen, -1, self.pos.gather(2, victims)))
 
