@@ -21,6 +21,19 @@ from __future__ import annotations
 
 import math
 
+import pytest
+import torch
+
+
+@pytest.fixture(autouse=True, scope="module")
+def single_thread():
+    """One intra-op thread for a test module (import this fixture to use it): these tiny ops gain
+    nothing from threads, and on a busy 2-core machine OpenMP spinning makes them several times slower."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 def _softmax(logits: list[float]) -> list[float]:
     top = max(logits)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import evictlayers as el
+from reference_scorers import single_thread  # noqa: F401 (autouse fixture)
 
 KV_HEADS, GROUP, N, D = 2, 2, 24, 8
 REDUCE = {"sum": lambda t: t.sum(0), "mean": lambda t: t.mean(0), "max": lambda t: t.amax(0)}

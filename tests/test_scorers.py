@@ -9,7 +9,7 @@ import torch
 
 import evictlayers as el
 from evictlayers.scoring import SlotView
-from reference_scorers import ReferenceCache
+from reference_scorers import ReferenceCache, single_thread  # noqa: F401 (autouse fixture)
 
 N, D = 40, 16
 SCHEDULES = {
@@ -220,3 +220,30 @@ def test_shipped_recipes_are_the_papers_compositions():
 def test_h2o_recipe_still_dumps_without_optional_parts():
     text = el.dump_recipe(el.load_recipe(RECIPES / "h2o.yaml"))
     assert "transform" not in text and "prior" not in text
+
+
+def test_new_compositions_keep_a_padded_batch_equal_to_each_row_alone():
+    """Through generate() on a tiny GQA Llama: the rings index real rows, so left padding changes nothing."""
+    from tiny_models import build, left_padded
+
+    model = build("llama")
+    ids, mask = left_padded([20, 13])
+    policies = [
+        el.Policy(el.RecentWindow(2), el.HeavyHitterSelector(el.Windowed(4), el.StepGainSoftmax(), el.ValuePrior(3)), budget=6),
+        el.Policy(el.RecentWindow(2), el.HeavyHitterSelector(el.LowScoreCounter(window=4)), budget=6, drop=0.5),
+    ]
+
+    def generate(x, m, cache=None):
+        with torch.no_grad():
+            out = model.generate(input_ids=x, attention_mask=m, max_new_tokens=6, do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, pad_token_id=0, past_key_values=cache)
+        return torch.stack(out.logits, dim=1)
+
+    full = generate(ids, mask)
+    for policy in policies:
+        with el.apply(model, policy) as run:
+            batched = generate(ids, mask, run.new_cache())
+            for row in range(2):
+                alone = ids[row][mask[row].bool()][None]
+                assert torch.allclose(batched[row], generate(alone, torch.ones_like(alone), run.new_cache())[0], atol=1e-4)
+        assert (batched - full).abs().max() > 1e-3  # something was evicted

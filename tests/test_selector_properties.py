@@ -16,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import evictlayers as el
+from reference_scorers import single_thread  # noqa: F401 (autouse fixture)
 
 SELECTORS = {
     "cumulative": lambda: el.HeavyHitterSelector(el.Cumulative()),
