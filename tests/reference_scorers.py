@@ -113,9 +113,8 @@ class ReferenceCache:
         """Sort key, higher = kept longer."""
         if j >= self.seen - self.recent or j < self.sinks:
             return (1, 0.0, j)  # protected; leave oldest first if they must
-        if self.scorer[0] == "low":
-            return (0, score[j], -j)  # equal counts: the newest goes first
-        return (0, score[j], j)
+        # equal counts: the newest goes first (Argsort(I)[:-m], stable); equal float scores: the oldest
+        return (0, score[j], -j if self.scorer[0] == "low" else j)
 
     def step(self, stop: int) -> None:
         """Feed the tokens ``self.seen .. stop-1`` as one step."""

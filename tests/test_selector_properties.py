@@ -59,7 +59,8 @@ def scenarios(draw):
 
 
 def _policy(kind, s):
-    modules = ([el.SinkTokens(s["sinks"])] if s["sinks"] else []) + ([el.RecentWindow(s["recent"])] if s["recent"] else [])
+    modules = [el.SinkTokens(s["sinks"])] if s["sinks"] else []
+    modules += [el.RecentWindow(s["recent"])] if s["recent"] else []
     selector = SELECTORS[kind]()
     return el.Policy(*modules, *([selector] if selector is not None else []), budget=s["budget"], drop=s["drop"])
 
@@ -126,7 +127,7 @@ def test_budget_protection_causality(kind, s):
                 assert all(0 <= p < seen for p in kept), (seen, kept)
                 if int(drop[b]) <= int(budget[b]) + 1 - int(reserved[b]):
                     assert protected <= set(kept), (protected, kept)
-                assert len(kept) == min(seen, len(kept)) and (len(kept) > 0 or seen == 0)
+                assert len(kept) > 0 or seen == 0
 
 
 @pytest.mark.parametrize("kind", SELECTORS)

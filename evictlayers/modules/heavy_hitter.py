@@ -45,7 +45,9 @@ class HeavyHitterSelector(Component):
                 "Cumulative(), Averaged(), Windowed(), LowScoreCounter()"
             )
         if transform is not None and not isinstance(transform, ScoreTransform):
-            raise TypeError(f"HeavyHitterSelector(transform={transform!r}): expected a ScoreTransform such as StepGainSoftmax()")
+            raise TypeError(
+                f"HeavyHitterSelector(transform={transform!r}): expected a ScoreTransform such as StepGainSoftmax()"
+            )
         if prior is not None:
             if not isinstance(prior, ScorePrior):
                 raise TypeError(f"HeavyHitterSelector(prior={prior!r}): expected a ScorePrior such as ValuePrior()")
