@@ -54,6 +54,14 @@ def test_retained_never_exceeds_budget_and_store_is_budget_plus_one():
         assert store.keys.shape == (2, 2, 6, 8)
         assert {i - 1, i} <= set(_kept(store, 1, 1))  # the recent window survives
     assert store.kv_bytes() == 2 * 2 * 2 * 6 * 8 * 4
+    assert store.state_bytes() == 2 * 2 * 6 * (8 + 4)  # int64 position + one float32 score per slot
+
+
+def test_state_bytes_count_a_windowed_ring():
+    q, k, v = _qkv(n=12)
+    store = el.SlotStore(el.Policy(el.RecentWindow(2), el.HeavyHitterSelector(el.Windowed(4)), budget=5))
+    _feed(store, q, k, v, chunk=12)
+    assert store.state_bytes() == 1 * 2 * 6 * (8 + 4 * 4)  # position + a ring of 4 rows per slot
 
 
 def test_padding_occupies_no_slot_and_padded_row_equals_row_alone():

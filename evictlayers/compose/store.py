@@ -45,6 +45,12 @@ class SlotStore:
             return 0
         return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
 
+    def state_bytes(self) -> int:
+        """Bytes of the bookkeeping beside the keys and values: slot positions and policy state."""
+        if self.pos is None:
+            return 0
+        return self.pos.nbytes + sum(t.nbytes for t in self.state.values())
+
     # ---- one step ------------------------------------------------------------------------------
 
     def step(

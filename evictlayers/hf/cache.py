@@ -103,10 +103,12 @@ class EvictionCache(Cache):
         self.policy = policy
 
     def stats(self) -> dict:
-        """``{'kv_bytes': total, 'layers': [{'retained_tokens', 'seen_tokens', 'kv_bytes'}, ...]}``.
+        """``{'kv_bytes', 'state_bytes', 'layers': [{'retained_tokens', 'seen_tokens', 'kv_bytes',
+        'state_bytes'}, ...]}``.
 
         ``retained_tokens`` is the most any head of the layer keeps, ``seen_tokens`` the most real
-        tokens any row has fed, ``kv_bytes`` the bytes the layer's key/value slots occupy.
+        tokens any row has fed, ``kv_bytes`` the bytes the layer's key/value slots occupy and
+        ``state_bytes`` those of its bookkeeping (slot positions and the policy's per-slot state).
         """
         layers = []
         for layer in self.layers:
@@ -117,6 +119,11 @@ class EvictionCache(Cache):
                     "retained_tokens": int(store.retained().max()) if started else 0,
                     "seen_tokens": int(store.seen.max()) if started else 0,
                     "kv_bytes": store.kv_bytes(),
+                    "state_bytes": store.state_bytes(),
                 }
             )
-        return {"kv_bytes": sum(entry["kv_bytes"] for entry in layers), "layers": layers}
+        return {
+            "kv_bytes": sum(entry["kv_bytes"] for entry in layers),
+            "state_bytes": sum(entry["state_bytes"] for entry in layers),
+            "layers": layers,
+        }
