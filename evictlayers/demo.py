@@ -19,7 +19,7 @@ from evictlayers.eval.tasks.passkey import passkey_prompts, score_passkey
 from evictlayers.models import load_default
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-DEFAULT_RECIPES = ("full", "local", "streaming_llm", "h2o", "h2o_averaged")
+DEFAULT_RECIPES = ("full", "local", "streaming_llm", "h2o", "h2o_averaged", "scissorhands", "ahakv")
 
 
 def _generate(model, inputs, max_new_tokens: int):
