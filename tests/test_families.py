@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import evictlayers as el
-from tiny_models import FAMILIES, FAMILY_IMPLEMENTATIONS, VOCAB, build, left_padded, single_thread  # noqa: F401
+from tiny_models import FAMILIES, FAMILY_IMPLEMENTATIONS, VOCAB, build, greedy, left_padded, single_thread  # noqa: F401
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 LENGTHS = [20, 13]  # a left-padded batch of two prompts of different lengths
@@ -31,15 +31,7 @@ def _forward(model, ids, mask, **kwargs) -> torch.Tensor:
 
 
 def _generate(model, ids, mask):
-    with torch.no_grad():
-        return model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            return_dict_in_generate=True,
-            output_logits=True,
-        )
+    return greedy(model, ids, mask, NEW_TOKENS)
 
 
 def _attention_modules(model) -> list[torch.nn.Module]:

@@ -19,6 +19,7 @@ import evictlayers as el
 from tiny_models import (  # noqa: F401
     FAMILY_IMPLEMENTATIONS,
     build,
+    greedy,
     kv_geometry,
     left_padded,
     positions,
@@ -44,16 +45,7 @@ def row_budget(budget, length: int) -> int:
 
 
 def generate(model, ids, mask, new_tokens=NEW_TOKENS, **kwargs):
-    with torch.no_grad():
-        return model.generate(
-            ids,
-            attention_mask=mask,
-            max_new_tokens=new_tokens,
-            do_sample=False,
-            return_dict_in_generate=True,
-            output_logits=True,
-            **kwargs,
-        )
+    return greedy(model, ids, mask, new_tokens, **kwargs)
 
 
 def step_logits(out) -> torch.Tensor:

@@ -207,3 +207,17 @@ def kv_geometry(config: PretrainedConfig) -> tuple[int, int]:
 def unpad_row(ids: torch.Tensor, mask: torch.Tensor, row: int) -> torch.Tensor:
     """Row ``row`` of a left-padded batch alone, without padding: ``[1, length]``."""
     return ids[row][mask[row].bool()][None]
+
+
+def greedy(model: PreTrainedModel, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int, **kwargs):
+    """Greedy ``generate()`` returning sequences and the logits of every generated token."""
+    with torch.no_grad():
+        return model.generate(
+            ids,
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            return_dict_in_generate=True,
+            output_logits=True,
+            **kwargs,
+        )
