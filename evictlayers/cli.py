@@ -1,0 +1,261 @@
+"""The ``evictlayers`` command.
+
+    evictlayers eval RECIPE... --task passkey|lines|perplexity|agreement --budget 0.1 0.2 0.5 \\
+        --model default|<hf id or path> --out DIR
+    evictlayers generate RECIPE "prompt" [--budget 0.2] [--model default]
+    evictlayers claims [--doc docs/results.md]      # the papers' claims on the embedded model
+
+RECIPE is a name from ``recipes/`` (``h2o``, ``local``, ``full``, ...) or a path to a recipe YAML.
+``eval`` writes ``<task>.json`` (every number, per example too), ``<task>.md`` (a table) and two plots
+(score vs budget per policy; retained-position histogram) into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+__all__ = ["main"]
+
+# option -> tasks it applies to (None = all); defaults live in the task classes
+TASK_OPTIONS: dict[str, tuple[str, ...]] = {
+    "lengths": ("passkey",),
+    "depths": ("passkey",),
+    "per_cell": ("passkey",),
+    "n_prompts": ("lines",),
+    "n_lines": ("lines",),
+    "max_new_tokens": ("passkey", "lines"),
+    "data": ("perplexity", "agreement"),
+    "n_docs": ("perplexity", "agreement"),
+    "doc_tokens": ("perplexity", "agreement"),
+    "start": ("perplexity", "agreement"),
+    "chunk": ("perplexity", "agreement"),
+    "n_bins": ("passkey", "lines", "perplexity", "agreement"),
+    "seed": ("passkey", "lines"),
+}
+
+
+def _budget(text: str):
+    from evictlayers.eval.runner import parse_budget
+
+    try:
+        return parse_budget(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {value}")
+    return value
+
+
+def _add_runtime(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="default",
+                        help="'default' (embedded SmolLM2-135M-Instruct), a local checkpoint directory, or a "
+                             "Hugging Face id already in the local cache (default: %(default)s)")
+    parser.add_argument("--threads", type=_positive, default=None,
+                        help="torch intra-op threads per process (default: torch's choice)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from evictlayers.eval.suite import TASKS
+
+    parser = argparse.ArgumentParser(prog="evictlayers", description="Bounded KV caches for Hugging Face decoders.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{eval,generate,claims}")
+
+    ev = commands.add_parser("eval", help="evaluate recipes on a task at several budgets",
+                             description="Evaluate recipes on a task; writes JSON, a markdown table and plots.")
+    ev.add_argument("recipes", nargs="+", metavar="RECIPE", help="recipe names from recipes/ or YAML paths")
+    ev.add_argument("--task", required=True, choices=list(TASKS), help="what to measure")
+    ev.add_argument("--budget", nargs="+", type=_budget, default=None, metavar="B",
+                    help="budgets to sweep: a fraction of the prompt in (0, 1] (0.2, 20%%), tokens per head "
+                         "(128), or 'full'; default: each recipe's own")
+    ev.add_argument("--out", required=True, type=Path, help="directory for the results")
+    _add_runtime(ev)
+    ev.add_argument("--devices", type=_positive, default=1,
+                    help="processes to shard the examples over (Lightning DDP on CPU; default 1)")
+    ev.add_argument("--batch-size", type=_positive, default=None,
+                    help="examples per batch (default: 8 for passkey/lines, 4 for perplexity/agreement)")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bars")
+    ev.add_argument("--n-bins", type=_positive, default=None, help="bins of the retained-position histogram (20)")
+    group = ev.add_argument_group("passkey")
+    group.add_argument("--lengths", type=_positive, nargs="+", default=None, help="prompt lengths in tokens (1000)")
+    group.add_argument("--depths", type=_positive, default=None, help="number of evenly spaced key depths (8)")
+    group.add_argument("--per-cell", type=_positive, default=None, help="prompts per length x depth (1)")
+    group = ev.add_argument_group("lines")
+    group.add_argument("--n-prompts", type=_positive, default=None, help="prompts (16)")
+    group.add_argument("--n-lines", type=_positive, default=None, help="lines per record (20)")
+    group = ev.add_argument_group("passkey and lines")
+    group.add_argument("--max-new-tokens", type=_positive, default=None, help="tokens generated per prompt (8)")
+    group.add_argument("--seed", type=int, default=None, help="prompt seed (0)")
+    group = ev.add_argument_group("perplexity and agreement")
+    group.add_argument("--data-dir", dest="data", type=Path, default=None,
+                       help="directory of .txt documents (default: $EVICTLAYERS_DATA, else "
+                            "../shared/data/pg19-sample next to the repository)")
+    group.add_argument("--n-docs", type=_positive, default=None, help="documents (4)")
+    group.add_argument("--doc-tokens", type=_positive, default=None, help="tokens per document (1025)")
+    group.add_argument("--start", type=_fraction, default=None, help="where in each text the documents start (0.1)")
+    group.add_argument("--chunk", type=_positive, default=None, help="tokens per streamed step (1)")
+
+    gen = commands.add_parser("generate", help="generate from one prompt under a recipe",
+                              description="Greedy generation from one prompt under a recipe, with cache stats.")
+    gen.add_argument("recipe", metavar="RECIPE", help="recipe name from recipes/ or a YAML path")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--budget", type=_budget, default=None, help="override the recipe's budget")
+    gen.add_argument("--max-new-tokens", type=_positive, default=32)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
+    _add_runtime(gen)
+
+    cl = commands.add_parser("claims", help="reproduce the papers' claims; writes docs/results.md",
+                             description="Run the claims' experiments on the embedded model and write the report.")
+    cl.add_argument("--doc", type=Path, default=Path("docs/results.md"), help="report path (%(default)s)")
+    cl.add_argument("--artifacts", type=Path, default=None,
+                    help="directory for JSON and plots (default: <doc without .md>/ next to the report)")
+    cl.add_argument("--data-dir", dest="data", type=Path, default=None, help="directory of .txt books")
+    cl.add_argument("--devices", type=_positive, default=1, help="processes (Lightning DDP on CPU)")
+    cl.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline, not the claims")
+    cl.add_argument("--no-progress", action="store_true", help="no progress bars")
+    _add_runtime(cl)
+    return parser
+
+
+def _task_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    options = {}
+    for option, tasks in TASK_OPTIONS.items():
+        value = getattr(args, option, None)
+        if value is None:
+            continue
+        if args.task not in tasks:
+            flag = "--data-dir" if option == "data" else "--" + option.replace("_", "-")
+            parser.error(f"{flag} does not apply to --task {args.task} (it applies to: {', '.join(tasks)})")
+        options[option] = value
+    if "depths" in options:
+        options["depths"] = int(options["depths"])
+    return options
+
+
+def _load_model(name: str):
+    from evictlayers.models import load
+
+    try:
+        return load(name)
+    except (FileNotFoundError, OSError) as error:
+        raise SystemExit(f"evictlayers: error: --model {name}: {error}") from None
+
+
+def _cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from evictlayers.compose import RecipeError
+    from evictlayers.eval.report import markdown_table, write_results
+    from evictlayers.eval.runner import evaluate, expand_budgets, resolve_recipe
+    from evictlayers.eval.tasks.documents import read_texts
+
+    options = _task_options(args, parser)
+    try:
+        specs = [resolve_recipe(r) for r in args.recipes]
+        expand_budgets(specs, args.budget)  # fails before the model loads
+        if args.task in ("perplexity", "agreement"):
+            read_texts(options.get("data"))
+    except (FileNotFoundError, RecipeError, ValueError) as error:
+        parser.error(str(error))
+    try:
+        args.out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        parser.error(f"--out {args.out}: cannot create the directory: {error}")
+    model, tokenizer = _load_model(args.model)
+    try:
+        result = evaluate(
+            model, tokenizer, specs, args.task, budgets=args.budget, task_options=options,
+            batch_size=args.batch_size, devices=args.devices, threads=args.threads,
+            progress=not args.no_progress, model_name=args.model,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    written = write_results(result, args.out)
+    print(markdown_table(result))
+    print("\nwrote " + ", ".join(str(p) for p in written.values() if p is not None))
+    return 0
+
+
+def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import torch
+
+    import evictlayers as el
+    from evictlayers.compose import RecipeError
+    from evictlayers.eval.runner import resolve_recipe, with_budget
+
+    try:
+        spec = resolve_recipe(args.recipe)
+        policy = spec.policy if args.budget is None else with_budget(spec.policy, args.budget)
+    except (FileNotFoundError, RecipeError, ValueError, TypeError) as error:
+        parser.error(str(error))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = _load_model(args.model)
+    text = args.prompt
+    if args.chat:
+        if not getattr(tokenizer, "chat_template", None):
+            parser.error(f"--chat: the tokenizer of {args.model} has no chat template")
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+    inputs = tokenizer(text, return_tensors="pt")
+    start = time.perf_counter()
+    with torch.inference_mode(), el.apply(model, policy) as run:
+        out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
+                             pad_token_id=tokenizer.pad_token_id)
+        stats = run.stats()
+    seconds = time.perf_counter() - start
+    new = out[0, inputs["input_ids"].shape[1] :]
+    print(tokenizer.decode(new, skip_special_tokens=True))
+    layers = stats["layers"]
+    kept = sum(layer["retained_tokens"] for layer in layers) / max(len(layers), 1)
+    seen = max((layer["seen_tokens"] for layer in layers), default=0)
+    print(
+        f"\n[{spec.name}, {policy.extra_repr()}] prompt {inputs['input_ids'].shape[1]} tokens, "
+        f"{len(new)} generated in {seconds:.1f} s; cache keeps {kept:.0f} of {seen} tokens per head "
+        f"({stats['kv_bytes'] / 2**20:.2f} MiB)",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def _cmd_claims(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from evictlayers.eval import claims
+    from evictlayers.eval.tasks.documents import read_texts
+
+    try:
+        read_texts(args.data)
+    except FileNotFoundError as error:
+        parser.error(str(error))
+    artifacts = args.artifacts or args.doc.with_suffix("")
+    claims.main(doc=args.doc, artifacts=artifacts, data=args.data, model_name=args.model, devices=args.devices,
+                threads=args.threads, quick=args.quick, progress=not args.no_progress)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    subparser = parser._subparsers._group_actions[0].choices[args.command]  # errors name the subcommand
+    command = {"eval": _cmd_eval, "generate": _cmd_generate, "claims": _cmd_claims}[args.command]
+    return command(args, subparser)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

