@@ -131,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--data-dir", dest="data", type=Path, default=None, help="directory of .txt books")
     cl.add_argument("--devices", type=_positive, default=1, help="processes (Lightning DDP on CPU)")
     cl.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline, not the claims")
+    cl.add_argument("--render-only", action="store_true",
+                    help="rebuild the report from the artifacts of an earlier run, evaluating nothing")
     cl.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_runtime(cl)
     return parser
@@ -240,12 +242,14 @@ def _cmd_claims(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     from evictlayers.eval.tasks.documents import read_texts
 
     try:
-        read_texts(args.data)
+        if not args.render_only:
+            read_texts(args.data)
+        artifacts = args.artifacts or args.doc.with_suffix("")
+        claims.main(doc=args.doc, artifacts=artifacts, data=args.data, model_name=args.model, devices=args.devices,
+                    threads=args.threads, quick=args.quick, progress=not args.no_progress,
+                    render_only=args.render_only)
     except FileNotFoundError as error:
         parser.error(str(error))
-    artifacts = args.artifacts or args.doc.with_suffix("")
-    claims.main(doc=args.doc, artifacts=artifacts, data=args.data, model_name=args.model, devices=args.devices,
-                threads=args.threads, quick=args.quick, progress=not args.no_progress)
     return 0
 
 

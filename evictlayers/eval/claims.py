@@ -161,6 +161,16 @@ def early_evenness(run: dict, share: float = 0.8) -> float:
     return histogram_evenness(counts[: max(2, int(len(counts) * share))])
 
 
+def early_centre(run: dict, share: float = 0.8) -> float:
+    """Mean relative position of the kept slots in the first ``share`` of the sequence, rescaled to
+    [0, 1] over that stretch: 0.5 for an even spread, below 0.5 for a bias toward early tokens."""
+    counts = run["histogram"]
+    k = max(2, int(len(counts) * share))
+    head = counts[:k]
+    total = sum(head)
+    return sum((i + 0.5) / k * c for i, c in enumerate(head)) / total if total else float("nan")
+
+
 def first_tenth_share(run: dict) -> float:
     counts = run["histogram"]
     head = counts[: max(1, len(counts) // 10)]
@@ -274,8 +284,9 @@ def claim_ahakv(results: dict, unavailable: dict) -> Verdict:
         spread.append(e_a > e_h)
         details.append(
             f"{key} at 20%: evenness of retained positions over the first 80% of the sequence H2O {e_h:.2f}, "
-            f"AhaKV {e_a:.2f}; share of kept slots in the first 10% of positions H2O {first_tenth_share(h2o):.1%}, "
-            f"AhaKV {first_tenth_share(aha):.1%}."
+            f"AhaKV {e_a:.2f}; their centre there (0.5 = even, lower = early) H2O {early_centre(h2o):.2f}, AhaKV "
+            f"{early_centre(aha):.2f}; share of all kept slots in the first 10% of positions H2O "
+            f"{first_tenth_share(h2o):.1%}, AhaKV {first_tenth_share(aha):.1%}."
         )
     full = _run(results, "stream", "full")
     s_h, s_a = _run(results, "stream", "h2o"), _run(results, "stream", "ahakv")
@@ -558,24 +569,50 @@ def render(results: dict, unavailable: dict, verdicts: list[tuple[Claim, Verdict
 
 def main(doc: str | os.PathLike = "docs/results.md", artifacts: str | os.PathLike | None = None, data=None,
          model_name: str = "default", devices: int = 1, threads: int | None = None, quick: bool = False,
-         progress: bool = True, model=None, tokenizer=None) -> str:
-    """Run the experiments and write the report to ``doc`` (JSON and plots under ``artifacts``)."""
+         progress: bool = True, model=None, tokenizer=None, render_only: bool = False) -> str:
+    """Run the experiments and write the report to ``doc`` (JSON and plots under ``artifacts``).
+
+    ``render_only`` rebuilds the report, verdicts and plots from the JSON files of an earlier run in
+    ``artifacts`` without evaluating anything.
+    """
     started = time.perf_counter()
     doc = Path(doc)
     artifacts = Path(artifacts) if artifacts is not None else doc.with_suffix("")
     artifacts.mkdir(parents=True, exist_ok=True)
     doc.parent.mkdir(parents=True, exist_ok=True)
-    if model is None:
-        from evictlayers.models import load
+    if render_only:
+        run_file = artifacts / "run.json"
+        if not run_file.is_file():
+            raise FileNotFoundError(f"{run_file} not found: --render-only needs the artifacts of an earlier run")
+        saved = json.loads(run_file.read_text())
+        meta, unavailable = saved["meta"], saved["unavailable"]
+        results = {e.key: json.loads((artifacts / f"{e.key}.json").read_text()) for e in EXPERIMENTS
+                   if (artifacts / f"{e.key}.json").is_file()}
+    else:
+        if model is None:
+            from evictlayers.models import load
 
-        model, tokenizer = load(model_name)
-    results, unavailable = run_experiments(model, tokenizer, data=data, devices=devices, threads=threads,
-                                           quick=quick, progress=progress, model_name=model_name)
+            model, tokenizer = load(model_name)
+        results, unavailable = run_experiments(model, tokenizer, data=data, devices=devices, threads=threads,
+                                               quick=quick, progress=progress, model_name=model_name)
+        meta = {
+            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            "minutes": (time.perf_counter() - started) / 60,
+            "cpu": _cpu(),
+            "devices": devices,
+            "threads": threads,
+            "quick": quick,
+            "model_short": "SmolLM2-135M" if model_name == "default" else model_name,
+            "model": "SmolLM2-135M-Instruct, the embedded GGUF (`evictlayers.models.load_default`)"
+            if model_name == "default" else model_name,
+        }
+        for key, result in results.items():
+            (artifacts / f"{key}.json").write_text(json.dumps(result, indent=1, default=str))
+        (artifacts / "run.json").write_text(json.dumps({"meta": meta, "unavailable": unavailable}, indent=1))
     verdicts = [(claim, claim.judge(results, unavailable)) for claim in CLAIMS]
     rel = os.path.relpath(artifacts, doc.parent)
     plots = {}
     for key, result in results.items():
-        (artifacts / f"{key}.json").write_text(json.dumps(result, indent=1, default=str))
         if len(result["budgets"] or []) > 1:
             path = plot_score_vs_budget(result, artifacts / f"{key}_score_vs_budget.png",
                                         title=f"{key}: {result['score_name']} vs KV budget")
@@ -585,23 +622,13 @@ def main(doc: str | os.PathLike = "docs/results.md", artifacts: str | os.PathLik
                               title=f"{key}: which original positions are kept at 20%")
         if path is not None:
             plots[f"{key}: retained original positions at 20%, all layers and heads (AhaKV Fig. 2c)"] = f"{rel}/{path.name}"
-    meta = {
-        "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
-        "minutes": (time.perf_counter() - started) / 60,
-        "cpu": _cpu(),
-        "devices": devices,
-        "threads": threads,
-        "quick": quick,
-        "model_short": "SmolLM2-135M" if model_name == "default" else model_name,
-        "model": "SmolLM2-135M-Instruct, the embedded GGUF (`evictlayers.models.load_default`)"
-        if model_name == "default" else model_name,
-    }
     text = render(results, unavailable, verdicts, meta, plots)
     doc.write_text(text)
     (artifacts / "verdicts.json").write_text(json.dumps(
         {str(c.number): {"status": v.status, "summary": v.summary, "details": v.details} for c, v in verdicts},
         indent=1))
-    print(f"[claims] wrote {doc} and {artifacts}/ in {meta['minutes']:.1f} min")
+    how = "rendered from saved results" if render_only else f"{meta['minutes']:.1f} min"
+    print(f"[claims] wrote {doc} and {artifacts}/ ({how})")
     for claim, verdict in verdicts:
         print(f"  claim {claim.number}: {verdict.status} -- {verdict.summary}")
     return text
