@@ -276,3 +276,20 @@ def test_unknown_task_and_option(tok):
         make_task("nope", tok)
     with pytest.raises(ValueError, match=r"task 'passkey' has no option\(s\) \['n_docs'\]; its options: lengths"):
         make_task("passkey", tok, n_docs=3)
+
+
+# ---- the embedded model -------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_embedded_model_full_cache_stream_on_pg19():
+    """SmolLM2-135M on a PG-19 window: the streamed full cache is the one-pass perplexity, agrees
+    everywhere, and H2O at 20% stays between the full cache and the local window."""
+    from evictlayers.models import load_default
+
+    model, tok = load_default()
+    task = make_task("agreement", tok, n_docs=2, doc_tokens=161)
+    summaries, _ = _evaluate(model, task, {"full": FULL, "h2o": H2O, "local": LOCAL}, batch_size=2)
+    assert summaries["full"]["perplexity"] == pytest.approx(teacher_forced_perplexity(model, _docs(task)), rel=1e-4)
+    assert summaries["full"]["top1"] == 1.0 and abs(summaries["full"]["kl"]) < 1e-4
+    assert summaries["full"]["perplexity"] < summaries["h2o"]["perplexity"] < summaries["local"]["perplexity"]

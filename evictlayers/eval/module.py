@@ -106,6 +106,9 @@ def run_test(
 
     if devices < 1:
         raise ValueError(f"devices must be >= 1, got {devices}")
+    if devices > 1 and evaluator.threads is None:
+        # processes x threads should not exceed the cores: oversubscribed OpenMP threads spin and crawl
+        evaluator.threads = max(1, (os.cpu_count() or 1) // devices)
     L.seed_everything(seed, workers=True, verbose=False)
     loader = DataLoader(
         evaluator.task.dataset(), batch_size=batch_size, shuffle=False, collate_fn=evaluator.task.collate

@@ -88,7 +88,7 @@ def plot_score_vs_budget(result: dict, path: str | Path, title: str | None = Non
     runs = result["runs"]
     budgets = [r["budget"] for r in runs if not r["full_cache"]]
     nominal = bool(budgets) and all(isinstance(b, float) for b in budgets)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4))
     policies: dict[str, list[tuple[float, float]]] = {}
     for run in runs:
         if run["full_cache"]:
@@ -96,16 +96,22 @@ def plot_score_vs_budget(result: dict, path: str | Path, title: str | None = Non
             continue
         x = run["budget"] if nominal else run["kept_fraction"]
         policies.setdefault(run["policy"], []).append((x, run["score"]))
-    for name, points in policies.items():
+    markers, styles = "osD^vP*X", ["-", "--", "-.", ":"]
+    span = max((p[0] for pts in policies.values() for p in pts), default=1) - min(
+        (p[0] for pts in policies.values() for p in pts), default=0)
+    for i, (name, points) in enumerate(policies.items()):
         points.sort()
-        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=name)
+        # a small horizontal offset per policy keeps equal scores at equal budgets from hiding each other
+        shift = (i - (len(policies) - 1) / 2) * 0.008 * (span or 1)
+        ax.plot([p[0] + shift for p in points], [p[1] for p in points], marker=markers[i % len(markers)],
+                linestyle=styles[i % len(styles)], label=name, alpha=0.85)
     ax.set_xlabel("KV budget (fraction of the prompt)" if nominal else "fraction of KV slots kept")
     ax.set_ylabel(result["score_name"])
     ax.set_title(title or f"{result['task']}: {result['score_name']} vs KV budget")
     if result["score_name"] == "perplexity":
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
@@ -127,7 +133,7 @@ def plot_positions(
     if budget is None and budgets:
         budget = budgets[0]
     chosen = [r for r in runs if r["full_cache"] or r["budget"] == budget]
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = plt.subplots(figsize=(8, 4))
     for run in chosen:
         counts = run["histogram"]
         total = sum(counts) or 1
@@ -142,7 +148,7 @@ def plot_positions(
     ax.set_title(title or f"{result['task']}: retained positions ({where})")
     ax.set_xlim(0, 1)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)
