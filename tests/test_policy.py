@@ -26,6 +26,11 @@ def test_budget_smaller_than_protected_slots_names_the_numbers():
         el.Policy(el.SinkTokens(4), el.RecentWindow(4), budget=6)
 
 
+def test_open_ended_window_beside_sinks_cannot_hide_a_too_small_budget():
+    with pytest.raises(ValueError, match=r"budget of 3 tokens cannot hold .*SinkTokens\(4\) \+ RecentWindow\(0\) = 4"):
+        el.Policy(el.SinkTokens(4), el.RecentWindow(), budget=3)
+
+
 def test_float_budget_checks_protected_slots_once_the_prompt_is_seen():
     policy = el.Policy(el.SinkTokens(4), el.RecentWindow(8), budget=0.1)
     assert policy.resolve_budget(torch.tensor([200])).tolist() == [20]

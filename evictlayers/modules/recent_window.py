@@ -35,7 +35,8 @@ class RecentWindow(Protection):
 
     def reserved(self, budget: torch.Tensor, reserved_by_others: torch.Tensor) -> torch.Tensor:
         if self.size is None:
-            return budget - reserved_by_others
+            # never negative: a budget below the other protections must fail the policy's fit check
+            return (budget - reserved_by_others).clamp(min=0)
         if isinstance(self.size, float):
             return torch.floor(budget.double() * self.size).long()
         return torch.full_like(budget, self.size)
