@@ -51,23 +51,13 @@ def rebudget(policy: el.Policy, budget: int | float | None) -> el.Policy:
     policy setting the recipe format knows survives: modules, drop amount, allocation, GQA reduction).
 
     Raises:
-        ValueError: the policy cannot take that budget (e.g. its protected slots do not fit); for an
-            ``int`` budget this includes fixed-size protections that add up to more than the budget.
+        ValueError: the policy cannot take that budget (e.g. its protected slots do not fit).
     """
     from evictlayers.compose.recipes import policy_from_dict, policy_to_dict
 
     data = policy_to_dict(policy)
     data["budget"] = budget
-    new = policy_from_dict(data, source=f"budget={budget}")
-    if isinstance(budget, int):
-        fixed = [(type(m).__name__, m.fixed_size()) for m in new.protections if m.fixed_size() is not None]
-        if sum(size for _, size in fixed) > budget:
-            parts = " + ".join(f"{name}({size})" for name, size in fixed)
-            raise ValueError(
-                f"a budget of {budget} tokens per head cannot hold the protected slots {parts} = "
-                f"{sum(size for _, size in fixed)}; raise the budget or shrink the protections"
-            )
-    return new
+    return policy_from_dict(data, source=f"budget={budget}")
 
 
 class EvalTask:
