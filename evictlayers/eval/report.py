@@ -112,11 +112,7 @@ def plot_score_vs_budget(result: dict, path: str | Path, title: str | None = Non
         ax.set_yscale("log")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
-    fig.tight_layout()
-    path = Path(path)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def plot_positions(
@@ -149,6 +145,10 @@ def plot_positions(
     ax.set_xlim(0, 1)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5))
+    return _save(plt, fig, path)
+
+
+def _save(plt, fig, path: str | Path) -> Path:
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

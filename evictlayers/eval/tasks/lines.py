@@ -24,6 +24,8 @@ import dataclasses
 import random
 import re
 
+from evictlayers.eval.tasks.passkey import spread_depths
+
 __all__ = ["LinesPrompt", "line_text", "lines_prompts", "parse_record", "score_lines"]
 
 INSTRUCTION = (
@@ -116,14 +118,7 @@ def lines_prompts(
     most = len(ADJECTIVES) * len(NOUNS)
     if not 2 <= n_lines <= most:
         raise ValueError(f"n_lines must be in [2, {most}] (distinct adjective-noun names), got {n_lines}")
-    if depth is not None and not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be a fraction in [0, 1] or None (spread evenly), got {depth}")
-    if depth is not None:
-        depths = [float(depth)] * n_prompts
-    elif n_prompts == 1:
-        depths = [0.5]
-    else:
-        depths = [i / (n_prompts - 1) for i in range(n_prompts)]
+    depths = spread_depths(n_prompts, depth)
     rng = random.Random(seed)
     return [_one_prompt(tokenizer, rng, n_lines, d) for d in depths]
 

@@ -94,6 +94,18 @@ def _one_prompt(tokenizer, target_tokens: int, depth: float, answer: str, chat: 
     return PasskeyPrompt(text=text, answer=answer, depth=depth, n_tokens=n_tokens)
 
 
+def spread_depths(n_prompts: int, depth: float | None) -> list[float]:
+    """Each prompt's depth in [0, 1]: ``depth`` for all of them, or (``None``) evenly spread from
+    0 to 1 (0.5 for a single prompt)."""
+    if depth is not None and not 0.0 <= depth <= 1.0:
+        raise ValueError(f"depth must be a fraction in [0, 1] or None (spread evenly), got {depth}")
+    if depth is not None:
+        return [float(depth)] * n_prompts
+    if n_prompts == 1:
+        return [0.5]
+    return [i / (n_prompts - 1) for i in range(n_prompts)]
+
+
 def passkey_prompts(
     tokenizer,
     n_prompts: int = 8,
@@ -122,18 +134,11 @@ def passkey_prompts(
     """
     if n_prompts < 1:
         raise ValueError(f"n_prompts must be >= 1, got {n_prompts}")
-    if depth is not None and not 0.0 <= depth <= 1.0:
-        raise ValueError(f"depth must be a fraction in [0, 1] or None (spread evenly), got {depth}")
+    depths = spread_depths(n_prompts, depth)
     if chat and not getattr(tokenizer, "chat_template", None):
         raise ValueError("chat=True needs a tokenizer with a chat template; this one has none (use chat=False)")
     rng = random.Random(seed)
     answers = [str(rng.randint(10000, 99999)) for _ in range(n_prompts)]
-    if depth is not None:
-        depths = [float(depth)] * n_prompts
-    elif n_prompts == 1:
-        depths = [0.5]
-    else:
-        depths = [i / (n_prompts - 1) for i in range(n_prompts)]
     minimum = _n_tokens(tokenizer, _render(tokenizer, chat, 0, 0, answers[0]))
     if target_tokens <= minimum:
         raise ValueError(f"target_tokens={target_tokens} is too short: a prompt without filler takes {minimum} tokens")
