@@ -146,20 +146,16 @@ class SlotStore:
             self._grow(max(64, self.capacity // 8))
             free = self.pos < 0
         slot = free.int().argmax(-1, keepdim=True)  # [B, H, 1]: the first free slot of each head
-        index = slot[..., None].expand(-1, -1, -1, self.keys.shape[-1])
-        self.keys.scatter_(2, index, key)
-        self.values.scatter_(2, slot[..., None].expand(-1, -1, -1, self.values.shape[-1]), value)
+        self.keys.scatter_(2, _along_slots(slot, self.keys), key)
+        self.values.scatter_(2, _along_slots(slot, self.values), value)
         self.pos.scatter_(2, slot, new_pos)
         for tensor in self.state.values():
-            shaped = slot.view(*slot.shape, *([1] * (tensor.dim() - 3))).expand(-1, -1, -1, *tensor.shape[3:])
-            tensor.scatter_(2, shaped, 0.0)
+            tensor.scatter_(2, _along_slots(slot, tensor), 0.0)
 
     def _grow(self, extra: int) -> None:
-        batch, heads, _, _ = self.keys.shape
-        pad = lambda t, fill: torch.cat([t, t.new_full((*t.shape[:2], extra, *t.shape[3:]), fill)], dim=2)  # noqa: E731
-        self.keys, self.values = pad(self.keys, 0), pad(self.values, 0)
-        self.pos = pad(self.pos, -1)
-        self.state = {name: pad(t, 0.0) for name, t in self.state.items()}
+        self.keys, self.values = _pad_slots(self.keys, extra, 0), _pad_slots(self.values, extra, 0)
+        self.pos = _pad_slots(self.pos, extra, -1)
+        self.state = {name: _pad_slots(t, extra, 0.0) for name, t in self.state.items()}
 
     def _evict_over_budget(self, view: SlotView) -> None:
         """Heads over budget drop their ``drop`` lowest-priority slots (H2O Algorithm 1 lines 12-13
@@ -187,21 +183,29 @@ class SlotStore:
             self.keys, self.values, self.pos, self.state = keys, values, pos, state
             return
         keep = int(self.budget.max())
-        batch, heads, n_slots, _ = keys.shape
+        n_slots = keys.shape[2]
         priority = self.policy.priority(state, view)
         top = min(keep, n_slots)
         order = priority.topk(top, dim=-1, sorted=True).indices  # [B, H, top]
         # rows whose own budget is below the batch maximum drop their lowest-ranked picks
         rank_ok = torch.arange(top, device=keys.device)[None, None, :] < self.budget[:, None, None]
-        capacity = keep + 1
-        gather = lambda t, fill: torch.cat(  # noqa: E731
-            [
-                t.gather(2, order.view(*order.shape, *([1] * (t.dim() - 3))).expand(-1, -1, -1, *t.shape[3:])),
-                t.new_full((*t.shape[:2], capacity - top, *t.shape[3:]), fill),
-            ],
-            dim=2,
-        )
-        self.keys, self.values = gather(keys, 0), gather(values, 0)
-        kept_pos = pos.gather(2, order).masked_fill(~rank_ok, -1)
-        self.pos = torch.cat([kept_pos, pos.new_full((batch, heads, capacity - top), -1)], dim=2)
-        self.state = {name: gather(t, 0.0) for name, t in state.items()}
+        spare = keep + 1 - top  # the capacity is budget + 1 whatever the step's width
+
+        def kept(tensor: torch.Tensor, fill: float) -> torch.Tensor:
+            return _pad_slots(tensor.gather(2, _along_slots(order, tensor)), spare, fill)
+
+        self.keys, self.values = kept(keys, 0), kept(values, 0)
+        self.pos = _pad_slots(pos.gather(2, order).masked_fill(~rank_ok, -1), spare, -1)
+        self.state = {name: kept(t, 0.0) for name, t in state.items()}
+
+
+def _along_slots(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Expand a ``[B, H, k]`` slot index to ``like``'s trailing dims, for gather/scatter on dim 2."""
+    shaped = index.view(*index.shape, *([1] * (like.dim() - 3)))
+    return shaped.expand(*index.shape, *like.shape[3:])
+
+
+def _pad_slots(tensor: torch.Tensor, extra: int, fill: float) -> torch.Tensor:
+    """``tensor`` with ``extra`` more slots (dim 2) holding ``fill``."""
+    pad = tensor.new_full((*tensor.shape[:2], extra, *tensor.shape[3:]), fill)
+    return torch.cat([tensor, pad], dim=2)
