@@ -72,6 +72,8 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
                              "Hugging Face id already in the local cache (default: %(default)s)")
     parser.add_argument("--threads", type=_positive, default=None,
                         help="torch intra-op threads per process (default: torch's choice)")
+    parser.add_argument("--compile", action="store_true",
+                        help="compile each layer's decode step (torch.compile, one graph; prefill stays eager)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -185,7 +187,7 @@ def _cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         result = evaluate(
             model, tokenizer, specs, args.task, budgets=args.budget, task_options=options,
             batch_size=args.batch_size, devices=args.devices, threads=args.threads,
-            progress=not args.no_progress, model_name=args.model,
+            progress=not args.no_progress, model_name=args.model, compile=args.compile,
         )
     except ValueError as error:
         parser.error(str(error))
@@ -218,7 +220,7 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                                              add_generation_prompt=True)
     inputs = tokenizer(text, return_tensors="pt")
     start = time.perf_counter()
-    with torch.inference_mode(), el.apply(model, policy) as run:
+    with torch.inference_mode(), el.apply(model, policy, compile=args.compile) as run:
         out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id)
         stats = run.stats()
@@ -247,7 +249,7 @@ def _cmd_claims(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         artifacts = args.artifacts or args.doc.with_suffix("")
         claims.main(doc=args.doc, artifacts=artifacts, data=args.data, model_name=args.model, devices=args.devices,
                     threads=args.threads, quick=args.quick, progress=not args.no_progress,
-                    render_only=args.render_only)
+                    render_only=args.render_only, compile=args.compile)
     except FileNotFoundError as error:
         parser.error(str(error))
     return 0

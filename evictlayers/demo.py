@@ -3,7 +3,8 @@
 ``python -m evictlayers.demo`` loads SmolLM2-135M-Instruct (``evictlayers.models.load_default``),
 builds passkey prompts (``evictlayers.eval.tasks.passkey``), and generates greedily for every prompt
 in one left-padded batch, once with the unmodified model and once per recipe. It prints accuracy, the
-KV bytes the cache physically holds after generation, and generation throughput measured in this run.
+KV bytes the cache physically holds after generation, prefill time, and decode throughput (the steps
+after the first new token) measured in this run, with a progress bar per policy.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import time
 from pathlib import Path
 
 import torch
+from tqdm.auto import tqdm
+from transformers.generation.streamers import BaseStreamer
 
 import evictlayers as el
 from evictlayers.eval.tasks.passkey import passkey_prompts, score_passkey
@@ -22,15 +25,41 @@ RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 DEFAULT_RECIPES = ("full", "local", "streaming_llm", "h2o", "h2o_averaged", "scissorhands", "ahakv")
 
 
-def _generate(model, inputs, max_new_tokens: int):
-    """Greedy generation of exactly ``max_new_tokens``; returns (new ids, seconds, cache)."""
-    start = time.perf_counter()
-    out = model.generate(
-        **inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
-        return_dict_in_generate=True,
-    )
-    elapsed = time.perf_counter() - start
-    return out.sequences[:, inputs["input_ids"].shape[1] :], elapsed, out.past_key_values
+class _StepClock(BaseStreamer):
+    """A ``generate()`` streamer that timestamps every step and advances a progress bar.
+
+    ``generate()`` hands the prompt to ``put`` first and then each new token, so the first timestamp
+    after the prompt marks the end of prefill (and of the first decode step's sampling): decode
+    throughput is measured from there to the last token.
+    """
+
+    def __init__(self, progress):
+        self.progress, self.stamps, self.prompt_seen = progress, [], False
+
+    def put(self, value) -> None:
+        if not self.prompt_seen:
+            self.prompt_seen = True
+            return
+        self.stamps.append(time.perf_counter())
+        self.progress.update(1)
+
+    def end(self) -> None:
+        pass
+
+
+def _generate(model, inputs, max_new_tokens: int, label: str, progress: bool):
+    """Greedy generation of exactly ``max_new_tokens``; returns (new ids, timings, cache)."""
+    with tqdm(total=max_new_tokens, desc=f"  {label:<16}", unit="step", leave=False, disable=not progress) as bar:
+        clock = _StepClock(bar)
+        start = time.perf_counter()
+        out = model.generate(
+            **inputs, max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens, do_sample=False,
+            return_dict_in_generate=True, streamer=clock,
+        )
+        elapsed = time.perf_counter() - start
+    timings = {"seconds": elapsed, "prefill_seconds": clock.stamps[0] - start,
+               "decode_seconds": clock.stamps[-1] - clock.stamps[0]}
+    return out.sequences[:, inputs["input_ids"].shape[1] :], timings, out.past_key_values
 
 
 def _cache_bytes(cache) -> int:
@@ -38,44 +67,50 @@ def _cache_bytes(cache) -> int:
     return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
 
 
-def run(recipes: list[str], n_prompts: int, target_tokens: int, max_new_tokens: int, seed: int) -> list[dict]:
+def run(recipes: list[str], n_prompts: int, target_tokens: int, max_new_tokens: int, seed: int,
+        compile: bool = False, progress: bool = True) -> list[dict]:
     torch.manual_seed(seed)
     model, tokenizer = load_default()
     prompts = passkey_prompts(tokenizer, n_prompts=n_prompts, target_tokens=target_tokens, seed=seed)
     inputs = tokenizer([p.text for p in prompts], return_tensors="pt", padding=True)
-    new_tokens = n_prompts * max_new_tokens
 
-    def row(name: str, generated, elapsed: float, kv_bytes: int) -> dict:
+    def row(name: str, generated, timings: dict, kv_bytes: int) -> dict:
         texts = tokenizer.batch_decode(generated, skip_special_tokens=True)
         correct = sum(score_passkey(text, p.answer) for text, p in zip(texts, prompts, strict=True))
+        # the first new token comes out of the prefill pass; the other steps are decode steps
+        decode_tokens = n_prompts * (max_new_tokens - 1)
         result = {"policy": name, "correct": correct, "prompts": n_prompts, "kv_bytes": kv_bytes,
-                  "tokens_per_s": new_tokens / elapsed, "seconds": elapsed}
-        print(f"  {name:<16} {correct}/{n_prompts}  {kv_bytes / 2**20:8.2f} MiB  {elapsed:6.1f} s", flush=True)
+                  "tokens_per_s": n_prompts * max_new_tokens / timings["seconds"],
+                  "decode_tokens_per_s": decode_tokens / timings["decode_seconds"], **timings}
+        print(f"  {name:<16} {correct}/{n_prompts}  {kv_bytes / 2**20:8.2f} MiB  prefill "
+              f"{timings['prefill_seconds']:6.1f} s  decode {result['decode_tokens_per_s']:6.1f} tokens/s", flush=True)
         return result
 
     print(f"{n_prompts} passkey prompts, {inputs['input_ids'].shape[1]} tokens (padded), "
-          f"{max_new_tokens} new tokens each, greedy", flush=True)
+          f"{max_new_tokens} new tokens each, greedy{', decode step compiled' if compile else ''}", flush=True)
     with torch.inference_mode():
-        generated, elapsed, cache = _generate(model, inputs, max_new_tokens)
-        results = [row("unmodified (HF)", generated, elapsed, _cache_bytes(cache))]
+        generated, timings, cache = _generate(model, inputs, max_new_tokens, "unmodified (HF)", progress)
+        results = [row("unmodified (HF)", generated, timings, _cache_bytes(cache))]
         for name in recipes:
             policy = el.load_recipe(RECIPES / f"{name}.yaml")
-            with el.apply(model, policy) as patched:
-                generated, elapsed, _ = _generate(model, inputs, max_new_tokens)
-                results.append(row(name, generated, elapsed, patched.stats()["kv_bytes"]))
+            with el.apply(model, policy, compile=compile) as patched:
+                generated, timings, _ = _generate(model, inputs, max_new_tokens, name, progress)
+                results.append(row(name, generated, timings, patched.stats()["kv_bytes"]))
     return results
 
 
 def table(results: list[dict]) -> str:
     full = results[0]["kv_bytes"]
     lines = [
-        "| policy | passkey accuracy | retained KV | KV vs unmodified | tokens/s |",
-        "|---|---|---|---|---|",
+        "| policy | passkey accuracy | retained KV | KV vs unmodified | prefill s | decode tokens/s | decode vs unmodified |",
+        "|---|---|---|---|---|---|---|",
     ]
+    base = results[0]["decode_tokens_per_s"]
     for r in results:
         lines.append(
             f"| {r['policy']} | {r['correct']}/{r['prompts']} | {r['kv_bytes'] / 2**20:.2f} MiB | "
-            f"{r['kv_bytes'] / full:.2f}x | {r['tokens_per_s']:.1f} |"
+            f"{r['kv_bytes'] / full:.2f}x | {r['prefill_seconds']:.1f} | {r['decode_tokens_per_s']:.1f} | "
+            f"{r['decode_tokens_per_s'] / base:.2f}x |"
         )
     return "\n".join(lines)
 
@@ -88,12 +123,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--target-tokens", type=int, default=1500)
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="compile each policy's decode step")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 2:
+        parser.error(f"--max-new-tokens {args.max_new_tokens}: need >= 2 (one prefill token, then decode steps)")
     missing = [name for name in args.recipes if not (RECIPES / f"{name}.yaml").is_file()]
     if missing:
         available = sorted(p.stem for p in RECIPES.glob("*.yaml"))
         parser.error(f"unknown recipe(s) {missing}; available in {RECIPES}: {available}")
-    results = run(args.recipes, args.n_prompts, args.target_tokens, args.max_new_tokens, args.seed)
+    results = run(args.recipes, args.n_prompts, args.target_tokens, args.max_new_tokens, args.seed,
+                  compile=args.compile, progress=not args.no_progress)
     print()
     print(table(results))
 

@@ -109,10 +109,12 @@ def test_eval_writes_json_table_and_plots(capsys, checkpoint, books, tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
-def test_eval_full_cache_perplexity_matches_unmodified_model(checkpoint, books, tmp_path, capsys):
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_eval_full_cache_perplexity_matches_unmodified_model(checkpoint, books, tmp_path, capsys, compiled):
     out = tmp_path / "out"
     main(["eval", "full", "--task", "perplexity", "--model", str(checkpoint), "--out", str(out),
-          "--data-dir", str(books), "--n-docs", "2", "--doc-tokens", "50", "--start", "0", "--no-progress"])
+          "--data-dir", str(books), "--n-docs", "2", "--doc-tokens", "50", "--start", "0", "--no-progress",
+          *(["--compile"] if compiled else [])])
     capsys.readouterr()
     result = json.loads((out / "perplexity.json").read_text())
     from transformers import AutoModelForCausalLM
@@ -132,8 +134,9 @@ def test_generate_prints_text_and_cache_stats(checkpoint, capsys):
     assert "cache keeps 16 of" in captured.err and "5 generated" in captured.err
 
 
-def test_console_script_is_installed():
-    done = subprocess.run([sys.executable, "-m", "evictlayers.cli", "--help"], capture_output=True, text=True)
+@pytest.mark.parametrize("module", ["evictlayers.cli", "evictlayers"])
+def test_console_script_is_installed(module):
+    done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
     assert done.returncode == 0 and "{eval,generate,claims}" in done.stdout
 
 

@@ -10,17 +10,24 @@ from __future__ import annotations
 
 import torch
 
+from evictlayers.compose.decode_step import along_slots, compiled_decode_step, decode_step
 from evictlayers.compose.policy import Policy
 from evictlayers.kernels import attention_with_mass
 from evictlayers.scoring import Observation, SlotView
 
 
+class CompileError(RuntimeError):
+    """The decode step of a policy could not be compiled into one graph; names the layer and policy."""
+
+
 class SlotStore:
     """Keys, values, positions and policy state of one attention layer for one batch of sequences."""
 
-    def __init__(self, policy: Policy, layer_idx: int = 0, num_layers: int = 1):
+    def __init__(self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False):
         self.policy = policy
         self.layer_idx, self.num_layers = layer_idx, num_layers
+        self.compile = compile
+        self.most = 1  # the largest drop amount of any row, fixed with the budget at the first step
         self.keys: torch.Tensor | None = None
         self.values: torch.Tensor | None = None
         self.pos: torch.Tensor | None = None
@@ -81,15 +88,11 @@ class SlotStore:
             self.budget = self.policy.resolve_budget(real.sum(1), self.layer_idx, self.num_layers)
         elif self.seen.shape[0] != batch:
             raise ValueError(f"this cache holds {self.seen.shape[0]} sequences but the step has batch size {batch}")
+        if q_len == 1 and self.keys is not None:
+            return self._decode(query, key, value, real, scaling=scaling, softcap=softcap, sliding_window=sliding_window)
         query_pos = torch.where(real, self.seen[:, None] + real.long().cumsum(1) - 1, -1)
         new_pos = query_pos[:, None, :].expand(batch, kv_heads, q_len)
-
-        in_place = q_len == 1 and self.keys is not None
-        if in_place:
-            self._write_into_free_slot(key, value, new_pos)
-            keys, values, pos, state = self.keys, self.values, self.pos, self.state
-        else:
-            keys, values, pos, state = self._concatenated(key, value, new_pos)
+        keys, values, pos, state = self._concatenated(key, value, new_pos)
 
         attention = attention_with_mass(
             query, keys, values, query_pos, pos,
@@ -101,7 +104,6 @@ class SlotStore:
             mass=attention.mass,
             rows=attention.rows,
             row_pos=query_pos[:, q_len - n_rows :],
-            row_index=torch.arange(self.seq_len + q_len - n_rows, self.seq_len + q_len, device=key.device),
             values=values,
             group_size=query.shape[1] // kv_heads,
             gqa_reduce=self.policy.gqa_reduce,
@@ -110,13 +112,30 @@ class SlotStore:
         self.seq_len += q_len
         view = SlotView(pos=pos, seen=self.seen, budget=self.budget)
         self.policy.observe(state, observation, view)
-
-        if in_place:
-            if self.budget is not None:
-                self._evict_over_budget(view)
-        else:
-            self._keep_best(keys, values, pos, state, view)
+        self._keep_best(keys, values, pos, state, view)
         return attention.out
+
+    def _decode(self, query, key, value, real, **attention_kwargs) -> torch.Tensor:
+        """One token per row into the fixed slot buffers (``decode_step``, compiled when asked)."""
+        if self.budget is None and self.seq_len + 1 > self.capacity:
+            # only an unbounded (full) cache can run out of free slots (it holds at most seq_len tokens):
+            # grow by an eighth (at least 64 slots), between steps and outside any compiled graph, so
+            # appends stay amortised without doubling the memory of a long prompt
+            self._grow(max(64, self.capacity // 8))
+        step = compiled_decode_step() if self.compile else decode_step
+        try:
+            out, self.seen = step(
+                self.policy, self.most, self.keys, self.values, self.pos, self.state, self.seen, self.budget,
+                query, key, value, real, **attention_kwargs,
+            )
+        except torch._dynamo.exc.TorchDynamoException as error:
+            raise CompileError(
+                f"evictlayers could not compile the decode step of layer {self.layer_idx} under {self.policy!r}: "
+                f"a component needs something torch.compile(fullgraph=True) cannot trace ({error}). Run it "
+                "with compile=False, or make the component's per-step code fixed-shape"
+            ) from error
+        self.seq_len += 1
+        return out
 
     # ---- slot bookkeeping ----------------------------------------------------------------------
 
@@ -138,44 +157,10 @@ class SlotStore:
             {name: torch.cat([self.state[name], fresh[name]], dim=2) for name in fresh},
         )
 
-    def _write_into_free_slot(self, key, value, new_pos) -> None:
-        free = self.pos < 0
-        if not bool(free.any(-1).all()):
-            # only an unbounded (full) cache runs out of free slots: grow by an eighth (at least 64
-            # slots) so appends stay amortised without doubling the memory of a long prompt
-            self._grow(max(64, self.capacity // 8))
-            free = self.pos < 0
-        slot = free.int().argmax(-1, keepdim=True)  # [B, H, 1]: the first free slot of each head
-        self.keys.scatter_(2, _along_slots(slot, self.keys), key)
-        self.values.scatter_(2, _along_slots(slot, self.values), value)
-        self.pos.scatter_(2, slot, new_pos)
-        for tensor in self.state.values():
-            tensor.scatter_(2, _along_slots(slot, tensor), 0.0)
-
     def _grow(self, extra: int) -> None:
         self.keys, self.values = _pad_slots(self.keys, extra, 0), _pad_slots(self.values, extra, 0)
         self.pos = _pad_slots(self.pos, extra, -1)
         self.state = {name: _pad_slots(t, extra, 0.0) for name, t in self.state.items()}
-
-    def _evict_over_budget(self, view: SlotView) -> None:
-        """Heads over budget drop their ``drop`` lowest-priority slots (H2O Algorithm 1 lines 12-13
-        with ``drop = 1``; Scissorhands Algorithm 2 with drop amount ``m``)."""
-        over = self.retained() > self.budget[:, None]  # [B, H]
-        if not bool(over.any()):
-            return
-        drop = self.policy.drop_amount(self.budget)  # [B]
-        most = min(int(drop.max()), self.capacity)
-        # empty slots rank +inf here: a row whose budget is below the batch maximum has some, and the
-        # pick must be among the tokens it holds, not a free slot (which would evict nothing)
-        priority = self.policy.priority(self.state, view).masked_fill(~view.valid, float("inf"))
-        # equal priorities go oldest first: when the drop amount exceeds the unprotected slots, the
-        # protected ones (all +inf) must leave in age order, not in topk's arbitrary tie order (which
-        # evicted the token just inserted from a Local window)
-        by_age = view.pos.masked_fill(~view.valid, torch.iinfo(torch.long).max).argsort(-1)
-        order = priority.gather(-1, by_age).argsort(dim=-1, stable=True)[..., :most]
-        victims = by_age.gather(-1, order)  # [B, H, most]
-        chosen = over[..., None] & (torch.arange(most, device=drop.device) < drop[:, None, None])
-        self.pos.scatter_(2, victims, torch.where(chosen, -1, self.pos.gather(2, victims)))
 
     def _keep_best(self, keys, values, pos, state, view: SlotView) -> None:
         """After a multi-token step: keep each head's top-``budget`` slots in a ``budget + 1`` store."""
@@ -183,6 +168,7 @@ class SlotStore:
             self.keys, self.values, self.pos, self.state = keys, values, pos, state
             return
         keep = int(self.budget.max())
+        self.most = min(int(self.policy.drop_amount(self.budget).max()), keep + 1)
         n_slots = keys.shape[2]
         priority = self.policy.priority(state, view)
         top = min(keep, n_slots)
@@ -192,17 +178,11 @@ class SlotStore:
         spare = keep + 1 - top  # the capacity is budget + 1 whatever the step's width
 
         def kept(tensor: torch.Tensor, fill: float) -> torch.Tensor:
-            return _pad_slots(tensor.gather(2, _along_slots(order, tensor)), spare, fill)
+            return _pad_slots(tensor.gather(2, along_slots(order, tensor)), spare, fill)
 
         self.keys, self.values = kept(keys, 0), kept(values, 0)
         self.pos = _pad_slots(pos.gather(2, order).masked_fill(~rank_ok, -1), spare, -1)
         self.state = {name: kept(t, 0.0) for name, t in state.items()}
-
-
-def _along_slots(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Expand a ``[B, H, k]`` slot index to ``like``'s trailing dims, for gather/scatter on dim 2."""
-    shaped = index.view(*index.shape, *([1] * (like.dim() - 3)))
-    return shaped.expand(*index.shape, *like.shape[3:])
 
 
 def _pad_slots(tensor: torch.Tensor, extra: int, fill: float) -> torch.Tensor:

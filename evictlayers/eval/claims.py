@@ -100,7 +100,8 @@ def _spec(name: str) -> PolicySpec | str:
 
 
 def run_experiments(model, tokenizer, data=None, devices: int = 1, threads: int | None = None, quick: bool = False,
-                    progress: bool = True, model_name: str = "default", log=print) -> tuple[dict, dict]:
+                    progress: bool = True, model_name: str = "default", log=print,
+                    compile: bool = False) -> tuple[dict, dict]:
     """Run every experiment with the recipes available; returns ``(results by key, unavailable)``
     where ``unavailable`` maps a recipe name to the reason it was not run."""
     results, unavailable = {}, {}
@@ -121,7 +122,7 @@ def run_experiments(model, tokenizer, data=None, devices: int = 1, threads: int 
         results[experiment.key] = evaluate(
             model, tokenizer, specs, experiment.task, budgets=list(experiment.budgets), task_options=options,
             batch_size=experiment.batch_size, devices=devices, threads=threads, progress=progress,
-            model_name=model_name,
+            model_name=model_name, compile=compile,
         )
         log(f"[claims] {experiment.key}: {time.perf_counter() - started:.0f} s")
     return results, unavailable
@@ -598,7 +599,7 @@ def render(results: dict, unavailable: dict, verdicts: list[tuple[Claim, Verdict
 
 def main(doc: str | os.PathLike = "docs/results.md", artifacts: str | os.PathLike | None = None, data=None,
          model_name: str = "default", devices: int = 1, threads: int | None = None, quick: bool = False,
-         progress: bool = True, model=None, tokenizer=None, render_only: bool = False) -> str:
+         progress: bool = True, model=None, tokenizer=None, render_only: bool = False, compile: bool = False) -> str:
     """Run the experiments and write the report to ``doc`` (JSON and plots under ``artifacts``).
 
     ``render_only`` rebuilds the report, verdicts and plots from the JSON files of an earlier run in
@@ -623,13 +624,15 @@ def main(doc: str | os.PathLike = "docs/results.md", artifacts: str | os.PathLik
 
             model, tokenizer = load(model_name)
         results, unavailable = run_experiments(model, tokenizer, data=data, devices=devices, threads=threads,
-                                               quick=quick, progress=progress, model_name=model_name)
+                                               quick=quick, progress=progress, model_name=model_name,
+                                               compile=compile)
         meta = {
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
             "minutes": (time.perf_counter() - started) / 60,
             "cpu": _cpu(),
             "devices": devices,
             "threads": threads,
+            "compile": compile,
             "quick": quick,
             "model_short": "SmolLM2-135M" if model_name == "default" else model_name,
             "model": "SmolLM2-135M-Instruct, the embedded GGUF (`evictlayers.models.load_default`)"

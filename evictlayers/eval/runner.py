@@ -177,14 +177,17 @@ def evaluate(
     seed: int = 0,
     model_name: str = "",
     keep_examples: bool = True,
+    compile: bool = False,
 ) -> dict:
-    """Evaluate every recipe x budget on ``task``; returns the results dictionary (see ``report``)."""
+    """Evaluate every recipe x budget on ``task``; returns the results dictionary (see ``report``).
+    ``compile=True`` runs every policy's decode step compiled (``evictlayers.apply(..., compile=True)``)."""
     from evictlayers.eval.module import PolicyEvaluator, run_test
     from evictlayers.eval.suite import make_task
 
     if not specs:
         raise ValueError("no recipes to evaluate")
     evaluation = make_task(task, tokenizer, **dict(task_options or {}))
+    evaluation.compile = compile
     runs = expand_budgets(specs, budgets)
     batch_size = batch_size or DEFAULT_BATCH.get(task, 1)
     if batch_size < 1:
@@ -218,6 +221,7 @@ def evaluate(
         "batch_size": batch_size,
         "devices": devices,
         "threads": threads,
+        "compile": compile,
         "seed": seed,
         "wall_seconds": wall,
         "runs": results,

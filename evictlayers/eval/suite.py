@@ -66,6 +66,7 @@ class EvalTask:
     name = "task"
     score_name = "score"
     higher_is_better = True
+    compile = False  # run each policy's decode step compiled (``evictlayers.apply(..., compile=True)``)
 
     def __init__(self, tokenizer, n_bins: int = 20):
         if n_bins < 1:
@@ -175,7 +176,7 @@ class _GenerationTask(EvalTask):
         ids, mask = batch["input_ids"], batch["attention_mask"]
         steps = self.max_new_tokens
         start = time.perf_counter()
-        with el.apply(model, policy) as run:
+        with el.apply(model, policy, compile=self.compile) as run:
             out = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                 pad_token_id=self.tokenizer.pad_token_id,
@@ -370,7 +371,7 @@ class PerplexityTask(EvalTask):
         kl = torch.zeros(batch_size, dtype=torch.float64)
         agree = torch.zeros(batch_size, dtype=torch.long)
         start = time.perf_counter()
-        with el.apply(model, policy) as run:
+        with el.apply(model, policy, compile=self.compile) as run:
             cache = run.new_cache()
             for s in range(0, n, self.chunk):
                 e = min(s + self.chunk, n)

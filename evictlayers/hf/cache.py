@@ -20,9 +20,9 @@ class EvictionLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, policy: Policy, layer_idx: int = 0, num_layers: int = 1):
+    def __init__(self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False):
         super().__init__()
-        self.store = SlotStore(policy, layer_idx, num_layers)
+        self.store = SlotStore(policy, layer_idx, num_layers, compile=compile)
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -88,7 +88,8 @@ class EvictionLayer(CacheLayerMixin):
             store.budget = store.budget.index_select(0, index)
 
     def reset(self) -> None:
-        self.store = SlotStore(self.store.policy, self.store.layer_idx, self.store.num_layers)
+        store = self.store
+        self.store = SlotStore(store.policy, store.layer_idx, store.num_layers, compile=store.compile)
         self.staged = None
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -96,10 +97,11 @@ class EvictionLayer(CacheLayerMixin):
 
 
 class EvictionCache(Cache):
-    """A ``transformers`` cache whose layers keep only what ``policy`` selects."""
+    """A ``transformers`` cache whose layers keep only what ``policy`` selects; ``compile=True`` runs each
+    layer's decode step as one ``torch.compile(fullgraph=True)`` graph."""
 
-    def __init__(self, policy: Policy, num_layers: int):
-        super().__init__(layers=[EvictionLayer(policy, i, num_layers) for i in range(num_layers)])
+    def __init__(self, policy: Policy, num_layers: int, compile: bool = False):
+        super().__init__(layers=[EvictionLayer(policy, i, num_layers, compile=compile) for i in range(num_layers)])
         self.policy = policy
 
     def stats(self) -> dict:

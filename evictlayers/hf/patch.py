@@ -33,15 +33,17 @@ def _evicting_class(cls: type) -> type:
 class EvictionRun:
     """The patched state of one model; ``with apply(model, policy) as run`` yields it."""
 
-    def __init__(self, model: nn.Module, policy: Policy):
+    def __init__(self, model: nn.Module, policy: Policy, compile: bool = False):
         if not isinstance(policy, Policy):
             raise TypeError(f"evictlayers.apply expects a Policy, got {type(policy).__name__}")
+        if not isinstance(compile, bool):
+            raise TypeError(f"evictlayers.apply(compile={compile!r}): expected True or False")
         if getattr(model, "_evictlayers_run", None) is not None:
             raise RuntimeError(
                 f"evictlayers.apply was already applied to this {type(model).__name__}; exit the first "
                 "`with` block (or call run.remove()) before applying another policy"
             )
-        self.model, self.policy = model, policy
+        self.model, self.policy, self.compile = model, policy, compile
         self._attention = attention_modules(model)
         self.num_layers = len(self._attention)
         self.cache: EvictionCache | None = None
@@ -91,7 +93,7 @@ class EvictionRun:
 
     def new_cache(self) -> EvictionCache:
         """An empty cache for this model and policy (pass it as ``past_key_values``)."""
-        return EvictionCache(self.policy, self.num_layers)
+        return EvictionCache(self.policy, self.num_layers, compile=self.compile)
 
     def _hook(self, signature: inspect.Signature):
         names = list(signature.parameters)
@@ -154,6 +156,11 @@ class EvictionRun:
         return self.cache.stats()
 
 
-def apply(model: nn.Module, policy: Policy) -> EvictionRun:
-    """Patch ``model`` to generate with ``policy``'s bounded cache; use as a context manager."""
-    return EvictionRun(model, policy)
+def apply(model: nn.Module, policy: Policy, compile: bool = False) -> EvictionRun:
+    """Patch ``model`` to generate with ``policy``'s bounded cache; use as a context manager.
+
+    ``compile=True`` runs every layer's decode step (insert, attention with mass, scoring, eviction) as
+    one ``torch.compile(fullgraph=True)`` graph over fixed slot buffers; prefill stays eager. A policy
+    whose per-step code cannot be traced raises ``CompileError`` naming the layer, never falls back.
+    """
+    return EvictionRun(model, policy, compile=compile)

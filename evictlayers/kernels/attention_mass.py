@@ -34,7 +34,7 @@ class AttentionMass(NamedTuple):
     rows: torch.Tensor
 
 
-def _reduce_group(per_head: torch.Tensor, how: str) -> torch.Tensor:
+def reduce_group(per_head: torch.Tensor, how: str) -> torch.Tensor:
     """Combine the query heads of each GQA group (dim 2)."""
     if how == "sum":
         return per_head.sum(dim=2)
@@ -124,9 +124,9 @@ def attention_with_mass(
         per_head_mass[..., :limit] += probs.sum(dim=3)
         if n_rows and stop > first_kept_row:
             lo = max(start, first_kept_row)
-            rows[:, :, lo - first_kept_row : stop - first_kept_row, :limit] = _reduce_group(
+            rows[:, :, lo - first_kept_row : stop - first_kept_row, :limit] = reduce_group(
                 probs[:, :, :, lo - start :], gqa_reduce
             )
 
-    mass = _reduce_group(per_head_mass, gqa_reduce)
+    mass = reduce_group(per_head_mass, gqa_reduce)
     return AttentionMass(out.view(batch, q_heads, q_len, -1).to(query.dtype), mass, rows)

@@ -42,8 +42,6 @@ class Observation:
         rows: ``[B, H_kv, R, N]`` the same for each of the step's last ``R`` queries (``R`` is what the
             policy asked for, at most the step's query count).
         row_pos: ``[B, R]`` int64 original position of those queries, ``-1`` for padding.
-        row_index: ``[R]`` int64 running index of those queries among every query column this layer
-            has processed (padding included): ring buffers of the last ``r`` rows index by it.
         values: ``[B, H_kv, N, D_v]`` the slots' values.
         group_size: query heads per KV head (GQA group).
         gqa_reduce: how the group's probabilities were combined (``"sum"``, ``"mean"``, ``"max"``).
@@ -52,7 +50,6 @@ class Observation:
     mass: torch.Tensor
     rows: torch.Tensor
     row_pos: torch.Tensor
-    row_index: torch.Tensor
     values: torch.Tensor
     group_size: int
     gqa_reduce: str

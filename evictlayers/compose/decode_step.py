@@ -1,0 +1,126 @@
+"""One decode step of a slot store as a pure function of fixed-size tensors (DESIGN.md "One decode step").
+
+Everything here has a shape fixed by the store's capacity: the new token goes to the first free slot
+(``argmax`` over a mask), eviction picks victims with ``amin``/``argmin`` (one token at a time, H2O
+Algorithm 1 lines 12-13) or a fixed-``k`` sort (Scissorhands' drop amount ``m``), and a head under its
+budget simply writes its victims' positions back unchanged. No ``nonzero``, ``.item()``, ``int(tensor)``
+or ``bool(tensor)``: the step runs eagerly as it is, and ``torch.compile(fullgraph=True)`` turns it into
+one graph that does not recompile as the sequence grows (gpt-fast style: buffers written in place).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+
+from evictlayers.compose.policy import Policy
+from evictlayers.kernels import decode_attention_with_mass as decode_attention
+from evictlayers.scoring import Observation, SlotView
+
+_OLDEST_LAST = torch.iinfo(torch.long).max
+
+
+def along_slots(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Expand a ``[B, H, k]`` slot index to ``like``'s trailing dims, for gather/scatter on dim 2."""
+    shaped = index.view(*index.shape, *([1] * (like.dim() - 3)))
+    return shaped.expand(*index.shape, *like.shape[3:])
+
+
+def decode_step(
+    policy: Policy,
+    most: int,
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    pos: torch.Tensor,
+    state: dict[str, torch.Tensor],
+    seen: torch.Tensor,
+    budget: torch.Tensor | None,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    real: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+    sliding_window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Insert one token per row, attend, score and evict, writing ``keys``/``values``/``pos``/``state`` in place.
+
+    Args:
+        most: the largest drop amount of any row (host int fixed at prefill; the victims' sort width).
+        keys/values: ``[B, H_kv, C, D]`` slot buffers with at least one free slot per head.
+        pos: ``[B, H_kv, C]`` int64 original positions, ``-1`` = free. ``state``: ``[B, H_kv, C, ...]``.
+        seen: ``[B]`` real tokens so far; budget: ``[B]`` per-head budget, ``None`` = never evict.
+        query: ``[B, H_q, 1, D]``; key/value: ``[B, H_kv, 1, D]``; real: ``[B, 1]`` bool.
+
+    Returns:
+        ``([B, H_q, 1, D_v]`` attention output, ``[B]`` new ``seen``).
+    """
+    batch, heads = key.shape[:2]
+    query_pos = torch.where(real[:, 0], seen, -1)  # [B]; a padding token is never stored
+    slot = (pos < 0).int().argmax(-1, keepdim=True)  # [B, H, 1]: each head's first free slot
+    keys.scatter_(2, along_slots(slot, keys), key)
+    values.scatter_(2, along_slots(slot, values), value)
+    pos.scatter_(2, slot, query_pos[:, None, None].expand(batch, heads, 1))
+    for tensor in state.values():
+        tensor.scatter_(2, along_slots(slot, tensor), 0.0)
+
+    gain = policy.score_gain(query_pos[:, None], budget)
+    attention = decode_attention(
+        query[:, :, 0], keys, values, query_pos, pos,
+        scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=policy.gqa_reduce,
+        score_gain=None if gain is None else gain[:, 0],
+    )
+    seen = seen + real[:, 0].long()
+    view = SlotView(pos=pos, seen=seen, budget=budget)
+    rows = attention.mass[:, :, None]  # [B, H, 1, N]: the one query row is the step's whole mass
+    if not policy.rows_needed:
+        rows = rows[:, :, :0]
+    observation = Observation(
+        mass=attention.mass, rows=rows, row_pos=query_pos[:, None], values=values,
+        group_size=query.shape[1] // heads, gqa_reduce=policy.gqa_reduce,
+    )
+    policy.observe(state, observation, view)
+    if budget is not None:
+        evict_over_budget(policy, most, pos, state, view)
+    return attention.out[:, :, None], seen
+
+
+def evict_over_budget(policy: Policy, most: int, pos: torch.Tensor, state: dict[str, torch.Tensor], view: SlotView):
+    """Heads over budget free their ``drop`` lowest-priority slots (H2O Algorithm 1 lines 12-13 with
+    ``drop = 1``; Scissorhands Algorithm 2 with drop amount ``m``). Equal priorities go oldest first: when
+    the drop amount exceeds the unprotected slots, protected ones (all ``+inf``) leave in age order."""
+    valid = view.valid
+    over = valid.sum(-1) > view.budget[:, None]  # [B, H]
+    # empty slots rank +inf: a row whose budget is below the batch maximum has some, and the pick must
+    # be among the tokens it holds, not a free slot (which would evict nothing)
+    priority = policy.priority(state, view).masked_fill(~valid, math.inf)
+    age_key = pos.masked_fill(~valid, _OLDEST_LAST)
+    if most == 1:
+        lowest = priority.amin(-1, keepdim=True)
+        victims = torch.where(priority == lowest, age_key, _OLDEST_LAST).argmin(-1, keepdim=True)  # [B, H, 1]
+        chosen = over[..., None]
+    else:
+        by_age = age_key.argsort(-1)
+        order = priority.gather(-1, by_age).argsort(dim=-1, stable=True)[..., :most]
+        victims = by_age.gather(-1, order)  # [B, H, most]
+        drop = policy.drop_amount(view.budget)  # [B]
+        chosen = over[..., None] & (torch.arange(most, device=pos.device) < drop[:, None, None])
+    pos.scatter_(2, victims, torch.where(chosen, -1, pos.gather(2, victims)))
+
+
+def compiled_decode_step() -> Callable:
+    """``decode_step`` under ``torch.compile(fullgraph=True)``, built once per process.
+
+    One compiled function serves every store: layers whose shapes agree share its graph, and
+    automatic dynamic shapes (``dynamic=None``) give layers of other sizes (per-layer allocations, a
+    growing full cache) one shape-generic graph instead of a graph per size.
+    """
+    global _COMPILED
+    if _COMPILED is None:
+        _COMPILED = torch.compile(decode_step, fullgraph=True, dynamic=None)
+    return _COMPILED
+
+
+_COMPILED: Callable | None = None

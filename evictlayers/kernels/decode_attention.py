@@ -1,0 +1,82 @@
+"""Decode attention over KV slots that also returns the probability mass each slot received.
+
+The pure-PyTorch reference of kernel 1 (``kernels/triton_decode.py`` is the Triton kernel with the
+same signature). One query per row, so there is no query chunking and no host synchronisation: every
+op has a fixed shape, which is what lets the slot store's decode step compile into one graph
+(``torch.compile(fullgraph=True)``). The logits are computed once and serve both the output and the
+mass (H2O Algorithm 1 lines 8-9 accumulate exactly this mass); the cache is never cast or copied:
+the matmuls run in the cache dtype and only the ``[B, H, N]`` logits are float32.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from evictlayers.kernels.attention_mass import GQA_REDUCTIONS, reduce_group
+
+
+class DecodeAttention(NamedTuple):
+    """What ``decode_attention_with_mass`` returns.
+
+    Attributes:
+        out: ``[B, H_q, D_v]`` attention output in the query dtype (zero for a padding query).
+        mass: ``[B, H_kv, N]`` float32 scoring probability of each slot, reduced over its GQA group.
+    """
+
+    out: torch.Tensor
+    mass: torch.Tensor
+
+
+def decode_attention_with_mass(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    gqa_reduce: str = "sum",
+    score_gain: torch.Tensor | None = None,
+) -> DecodeAttention:
+    """One query per row attending over unordered slots addressed by original position.
+
+    Args:
+        query: ``[B, H_q, D]`` post-RoPE query of the token being decoded.
+        key: ``[B, H_kv, N, D]`` slot keys; ``H_q`` must be a multiple of ``H_kv`` (GQA).
+        value: ``[B, H_kv, N, D_v]`` slot values.
+        query_pos: ``[B]`` int64 original position of the query; ``-1`` marks padding (zero output
+            and mass).
+        key_pos: ``[B, H_kv, N]`` int64 original position of each slot's token; ``-1`` = empty slot.
+        scaling: logit scale (``1/sqrt(D)`` for most models).
+        softcap: Gemma2-style ``tanh(x / c) * c`` on the scaled logits.
+        sliding_window: a slot is visible only if ``query_pos - key_pos < sliding_window``.
+        gqa_reduce: ``"sum"``, ``"mean"`` or ``"max"`` over the query heads of a GQA group.
+        score_gain: ``[B]`` factor on the logits of the scoring softmax only (AhaKV's SG-softmax);
+            ``None`` scores with the model's own probabilities.
+    """
+    if gqa_reduce not in GQA_REDUCTIONS:
+        raise ValueError(f"gqa_reduce={gqa_reduce!r} is not one of {GQA_REDUCTIONS}")
+    batch, q_heads, head_dim = query.shape
+    kv_heads = key.shape[1]
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")
+    grouped = query.view(batch, kv_heads, q_heads // kv_heads, head_dim).to(key.dtype)
+    logits = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling  # [B, H_kv, G, N]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    q_pos = query_pos[:, None, None]
+    visible = (key_pos >= 0) & (key_pos <= q_pos) & (q_pos >= 0)
+    if sliding_window is not None:
+        visible &= q_pos - key_pos < sliding_window
+    visible = visible[:, :, None, :]
+    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    probs = torch.where(visible, probs, 0.0)  # a row that sees nothing (padding) is NaN: zero it
+    out = torch.matmul(probs.to(value.dtype), value)  # [B, H_kv, G, D_v]
+    if score_gain is not None:
+        gained = logits * score_gain.float()[:, None, None, None]
+        probs = torch.where(visible, torch.softmax(gained.masked_fill(~visible, float("-inf")), dim=-1), 0.0)
+    return DecodeAttention(out.reshape(batch, q_heads, -1).to(query.dtype), reduce_group(probs, gqa_reduce))

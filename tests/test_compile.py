@@ -1,0 +1,99 @@
+"""The compiled decode step: one graph, no recompiles as the sequence grows, the same numbers as eager.
+
+The reference is the eager decode step (the same function run without ``torch.compile``), whose
+behaviour the rest of the suite pins against the unmodified model and the papers' algorithms; the
+eviction guard makes sure the 300 steps really evict. Compiling a step takes ~20 s on one core, so
+the default suite compiles two policies (one-at-a-time eviction, and the sort path with every scorer
+kind); the other shipped recipes compile in the slow suite.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import evictlayers as el
+from evictlayers.compose.store import CompileError
+from evictlayers.scoring import Cumulative
+from tiny_models import build, left_padded, single_thread  # noqa: F401
+
+STEPS = 300
+LENGTHS = [20, 13]
+
+
+def decode_logits(model, policy, compile: bool, steps: int = STEPS) -> tuple[torch.Tensor, dict]:
+    """``[steps, B, vocab]`` logits of a greedy manual loop over a left-padded batch of two."""
+    ids, mask = left_padded(LENGTHS)
+    logits = []
+    with torch.no_grad(), el.apply(model, policy, compile=compile) as run:
+        cache = run.new_cache()
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1])
+        stats = run.stats()
+    return torch.stack(logits), stats
+
+
+def full_logits(model, steps: int) -> torch.Tensor:
+    return decode_logits(model, el.Policy(budget=None), compile=False, steps=steps)[0]
+
+
+POLICIES = {
+    "h2o": lambda: el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=10),
+    "scissorhands-ahakv-parts": lambda: el.Policy(
+        el.SinkTokens(2), el.RecentWindow(3),
+        el.HeavyHitterSelector(el.Windowed(8), el.StepGainSoftmax(), el.ValuePrior()),
+        budget=0.5, drop=0.25,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(POLICIES))
+def test_one_graph_no_recompiles_same_logits_as_eager(name):
+    model = build("llama")
+    policy = POLICIES[name]()
+    eager, eager_stats = decode_logits(model, policy, compile=False)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, stats = decode_logits(model, policy, compile=True)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert sum(counters["recompiles"].values()) == 0, dict(counters["recompiles"])
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    assert stats == eager_stats
+    budget_rows = [10, 10] if name == "h2o" else [10, 7]  # 0.5 of each row's prompt, rounded half up
+    assert all(layer["retained_tokens"] <= max(budget_rows) for layer in stats["layers"])
+    assert (eager - full_logits(model, STEPS)).abs().max() > 1e-3, "nothing was evicted"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["scissorhands", "ahakv", "h2o_averaged", "streaming_llm", "full"])
+def test_shipped_recipes_compile_without_recompiles(recipe):
+    model = build("llama")
+    policy = el.load_recipe(f"recipes/{recipe}.yaml")
+    eager, _ = decode_logits(model, policy, compile=False, steps=100)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _ = decode_logits(model, policy, compile=True, steps=100)
+    # a full cache grows between steps: automatic dynamic shapes allow one more, shape-generic graph
+    assert counters["stats"]["unique_graphs"] <= (2 if recipe == "full" else 1), dict(counters["stats"])
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+class BranchingCumulative(Cumulative):
+    """A scorer that branches in Python on tensor data every step: not traceable into one graph."""
+
+    def update(self, state, observation, view):
+        if bool((observation.mass > 0.5).any()):
+            state["score"] += observation.mass
+
+
+def test_untraceable_component_names_itself():
+    model = build("llama")
+    policy = el.Policy(el.RecentWindow(2), el.HeavyHitterSelector(BranchingCumulative()), budget=8)
+    torch._dynamo.reset()
+    with pytest.raises(CompileError, match=r"(?s)layer 0 .*BranchingCumulative"):
+        decode_logits(model, policy, compile=True, steps=2)
