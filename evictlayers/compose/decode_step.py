@@ -59,12 +59,16 @@ def decode_step(
     """
     batch, heads = key.shape[:2]
     query_pos = torch.where(real[:, 0], seen, -1)  # [B]; a padding token is never stored
-    slot = (pos < 0).int().argmax(-1, keepdim=True)  # [B, H, 1]: each head's first free slot
-    keys.scatter_(2, along_slots(slot, keys), key)
-    values.scatter_(2, along_slots(slot, values), value)
-    pos.scatter_(2, slot, query_pos[:, None, None].expand(batch, heads, 1))
+    slot = (pos < 0).int().argmax(-1)  # [B, H]: each head's first free slot
+    # index_put_ (not scatter_) so that inductor writes the graph inputs in place: a functionalised
+    # scatter copied the whole cache every step
+    rows = torch.arange(batch, device=pos.device)[:, None]
+    cols = torch.arange(heads, device=pos.device)[None, :]
+    keys.index_put_((rows, cols, slot), key[:, :, 0])
+    values.index_put_((rows, cols, slot), value[:, :, 0])
+    pos.index_put_((rows, cols, slot), query_pos[:, None].expand(batch, heads))
     for tensor in state.values():
-        tensor.scatter_(2, along_slots(slot, tensor), 0.0)
+        tensor.index_put_((rows, cols, slot), torch.zeros((), dtype=tensor.dtype, device=tensor.device))
 
     gain = policy.score_gain(query_pos[:, None], budget)
     attention = decode_attention(
