@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 
 from evictlayers.compose.policy import Policy
+from evictlayers.modules.dense_kv import batch_head_index
 from evictlayers.kernels import decode_attention_with_mass as decode_attention
 from evictlayers.scoring import Observation, SlotView
 
@@ -31,8 +32,7 @@ def along_slots(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 def decode_step(
     policy: Policy,
     most: int,
-    keys: torch.Tensor,
-    values: torch.Tensor,
+    kv,
     pos: torch.Tensor,
     state: dict[str, torch.Tensor],
     seen: torch.Tensor,
@@ -45,11 +45,12 @@ def decode_step(
     softcap: float | None,
     sliding_window: int | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Insert one token per row, attend, score and evict, writing ``keys``/``values``/``pos``/``state`` in place.
+    """Insert one token per row, attend, score and evict, writing ``kv``/``pos``/``state`` in place.
 
     Args:
         most: the largest drop amount of any row (host int fixed at prefill; the victims' sort width).
-        keys/values: ``[B, H_kv, C, D]`` slot buffers with at least one free slot per head.
+        kv: the layer's storage slots (``DenseSlots``, ``QuantizedSlots``), ``C`` slots per head with at
+            least one free slot per head.
         pos: ``[B, H_kv, C]`` int64 original positions, ``-1`` = free. ``state``: ``[B, H_kv, C, ...]``.
         seen: ``[B]`` real tokens so far; budget: ``[B]`` per-head budget, ``None`` = never evict.
         query: ``[B, H_q, 1, D]``; key/value: ``[B, H_kv, 1, D]``; real: ``[B, 1]`` bool.
@@ -60,16 +61,15 @@ def decode_step(
     batch, heads = key.shape[:2]
     query_pos = torch.where(real[:, 0], seen, -1)  # [B]; a padding token is never stored
     slot = (pos < 0).int().argmax(-1)  # [B, H]: each head's first free slot
-    # index_put_ (not scatter_) so that inductor writes the graph inputs in place: a functionalised
-    # scatter copied the whole cache every step
-    rows = torch.arange(batch, device=pos.device)[:, None]
-    cols = torch.arange(heads, device=pos.device)[None, :]
-    keys.index_put_((rows, cols, slot), key[:, :, 0])
-    values.index_put_((rows, cols, slot), value[:, :, 0])
-    pos.index_put_((rows, cols, slot), query_pos[:, None].expand(batch, heads))
+    new_pos = query_pos[:, None].expand(batch, heads)
+    kv.write(slot, key[:, :, 0], value[:, :, 0], new_pos)
+    # index_put_ (not scatter_) so that inductor writes the graph inputs in place
+    rows, cols = batch_head_index(slot)
+    pos.index_put_((rows, cols, slot), new_pos)
     for tensor in state.values():
         tensor.index_put_((rows, cols, slot), torch.zeros((), dtype=tensor.dtype, device=tensor.device))
 
+    keys, values = kv.dense()
     gain = policy.score_gain(query_pos[:, None], budget)
     attention = decode_attention(
         query[:, :, 0], keys, values, query_pos, pos,

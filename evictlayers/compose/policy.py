@@ -10,10 +10,11 @@ from torch import nn
 
 from evictlayers.compose.allocation import Allocation, Uniform
 from evictlayers.kernels import GQA_REDUCTIONS
-from evictlayers.modules import HeavyHitterSelector, Protection
-from evictlayers.scoring import Observation, SlotView
+from evictlayers.modules import DenseKV, HeavyHitterSelector, Protection
+from evictlayers.scoring import Component, Observation, SlotView
 
 SELECTORS = (HeavyHitterSelector,)
+STORAGES = (DenseKV,)
 
 
 def _describe_budget(budget: int | float | None) -> str:
@@ -31,6 +32,8 @@ class Policy(nn.Module):
     head, a ``float`` in ``(0, 1]`` (that fraction of each row's prompt, rounded half up, fixed once
     the prompt is seen: "the first forward call"), or ``None`` for a full cache that never evicts.
     ``gqa_reduce`` combines the attention mass of the query heads sharing a KV head (sum/mean/max).
+    ``storage`` is how the slots hold their keys and values: ``DenseKV()`` (the default, the model
+    dtype) or ``QuantizedKV(bits, group, residual)``.
     ``drop`` is how many tokens go at once when a head exceeds its budget: ``1`` (H2O Algorithm 1,
     at most one eviction per step) or Scissorhands' drop amount ``m`` (Algorithm 2), an ``int`` or a
     ``float`` fraction of the budget (the paper uses ``m = 0.5 B``). ``allocation`` splits the budget
@@ -44,6 +47,7 @@ class Policy(nn.Module):
         drop: int | float = 1,
         allocation: Allocation | None = None,
         gqa_reduce: str = "sum",
+        storage: Component | None = None,
     ):
         super().__init__()
         protections: list[Protection] = []
@@ -77,6 +81,11 @@ class Policy(nn.Module):
             raise TypeError(f"Policy(allocation={allocation!r}): expected Uniform(), Ramp(...) or Pyramid(...)")
         if gqa_reduce not in GQA_REDUCTIONS:
             raise ValueError(f"Policy(gqa_reduce={gqa_reduce!r}): expected one of {GQA_REDUCTIONS}")
+        if storage is not None and not isinstance(storage, STORAGES):
+            raise TypeError(
+                f"Policy(storage={storage!r}): expected a K/V storage, one of "
+                f"{', '.join(cls.__name__ + '()' for cls in STORAGES)}"
+            )
         # the open-ended RecentWindow reserves last: it takes what the others leave
         self.protections = nn.ModuleList(sorted(protections, key=lambda m: m in open_ended))
         self.selector = selectors[0] if selectors else None
@@ -84,6 +93,7 @@ class Policy(nn.Module):
         self.drop = drop
         self.allocation = allocation if allocation is not None else Uniform()
         self.gqa_reduce = gqa_reduce
+        self.storage = storage if storage is not None else DenseKV()
         if isinstance(budget, int):
             self._check_fits(torch.tensor([budget]), where=f"budget={budget} tokens per head")
 
@@ -130,6 +140,7 @@ class Policy(nn.Module):
             and type(self.drop) is type(other.drop)
             and self.allocation == other.allocation
             and self.gqa_reduce == other.gqa_reduce
+            and self.storage == other.storage
         )
 
     __hash__ = nn.Module.__hash__

@@ -9,6 +9,8 @@ A recipe maps straight onto constructors (torchtune style): every component is a
       _component_: Ramp
       spread: 0.5
     gqa_reduce: sum        # optional
+    storage:               # optional: DenseKV (default) or QuantizedKV
+      _component_: DenseKV
     modules:
       - _component_: RecentWindow
         size: 0.5
@@ -30,7 +32,7 @@ import yaml
 
 from evictlayers.compose.allocation import Pyramid, Ramp, Uniform
 from evictlayers.compose.policy import Policy
-from evictlayers.modules import HeavyHitterSelector, RecentWindow, SinkTokens
+from evictlayers.modules import DenseKV, HeavyHitterSelector, RecentWindow, SinkTokens
 from evictlayers.scoring import (
     Averaged,
     Component,
@@ -45,10 +47,10 @@ COMPONENTS: dict[str, type[Component]] = {
     cls.__name__: cls
     for cls in (
         RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged, Uniform, Ramp, Pyramid,
-        Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior,
+        Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV,
     )
 }
-POLICY_KEYS = ("budget", "modules", "drop", "allocation", "gqa_reduce")
+POLICY_KEYS = ("budget", "modules", "drop", "allocation", "gqa_reduce", "storage")
 
 
 class RecipeError(ValueError):
@@ -106,6 +108,7 @@ def policy_from_dict(data: Any, source: str = "<recipe>") -> Policy:
         modules_node = []
     modules = [_build(node, f"modules[{i}]", problems) for i, node in enumerate(modules_node)]
     allocation = _build(data["allocation"], "allocation", problems) if data.get("allocation") is not None else None
+    storage = _build(data["storage"], "storage", problems) if data.get("storage") is not None else None
     if problems:
         raise RecipeError(source, problems)
     try:
@@ -115,6 +118,7 @@ def policy_from_dict(data: Any, source: str = "<recipe>") -> Policy:
             drop=data.get("drop", 1),
             allocation=allocation,
             gqa_reduce=data.get("gqa_reduce", "sum"),
+            storage=storage,
         )
     except (TypeError, ValueError) as error:
         raise RecipeError(source, [f"policy: {error}"]) from None
@@ -134,6 +138,7 @@ def policy_to_dict(policy: Policy) -> dict[str, Any]:
         "drop": policy.drop,
         "allocation": _component_dict(policy.allocation),
         "gqa_reduce": policy.gqa_reduce,
+        "storage": _component_dict(policy.storage),
         "modules": [_component_dict(m) for m in policy.modules_in_order],
     }
 

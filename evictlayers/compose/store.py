@@ -28,8 +28,7 @@ class SlotStore:
         self.layer_idx, self.num_layers = layer_idx, num_layers
         self.compile = compile
         self.most = 1  # the largest drop amount of any row, fixed with the budget at the first step
-        self.keys: torch.Tensor | None = None
-        self.values: torch.Tensor | None = None
+        self.kv = None  # the policy storage's slots (DenseSlots, QuantizedSlots), None until the first step
         self.pos: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.seen: torch.Tensor | None = None  # [B] real tokens per row
@@ -40,17 +39,25 @@ class SlotStore:
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return 0 if self.pos is None else self.pos.shape[2]
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        """``[B, H_kv, C, D]`` keys as attention reads them (dequantised for a quantised storage)."""
+        return None if self.kv is None else self.kv.dense()[0]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        """``[B, H_kv, C, D_v]`` values as attention reads them."""
+        return None if self.kv is None else self.kv.dense()[1]
 
     def retained(self) -> torch.Tensor:
         """``[B, H_kv]`` int64 tokens held per head."""
         return (self.pos >= 0).sum(-1)
 
     def kv_bytes(self) -> int:
-        """Bytes of the key and value slot tensors (what the cache physically holds)."""
-        if self.keys is None:
-            return 0
-        return self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size()
+        """Bytes of the key and value slots as stored (codes, scales and zero points for a quantised storage)."""
+        return 0 if self.kv is None else self.kv.nbytes()
 
     def state_bytes(self) -> int:
         """Bytes of the bookkeeping beside the keys and values: slot positions and policy state."""
@@ -88,7 +95,7 @@ class SlotStore:
             self.budget = self.policy.resolve_budget(real.sum(1), self.layer_idx, self.num_layers)
         elif self.seen.shape[0] != batch:
             raise ValueError(f"this cache holds {self.seen.shape[0]} sequences but the step has batch size {batch}")
-        if q_len == 1 and self.keys is not None:
+        if q_len == 1 and self.kv is not None:
             return self._decode(query, key, value, real, scaling=scaling, softcap=softcap, sliding_window=sliding_window)
         query_pos = torch.where(real, self.seen[:, None] + real.long().cumsum(1) - 1, -1)
         new_pos = query_pos[:, None, :].expand(batch, kv_heads, q_len)
@@ -125,7 +132,7 @@ class SlotStore:
         step = compiled_decode_step() if self.compile else decode_step
         try:
             out, self.seen = step(
-                self.policy, self.most, self.keys, self.values, self.pos, self.state, self.seen, self.budget,
+                self.policy, self.most, self.kv, self.pos, self.state, self.seen, self.budget,
                 query, key, value, real, **attention_kwargs,
             )
         except torch._dynamo.exc.TorchDynamoException as error:
@@ -148,24 +155,27 @@ class SlotStore:
     def _concatenated(self, key, value, new_pos):
         batch, heads, q_len, _ = key.shape
         fresh = self._new_state(batch, heads, q_len, key.device)
-        if self.keys is None:
+        if self.kv is None:
             return key, value, new_pos.clone(), fresh
+        keys, values = self.kv.dense()
         return (
-            torch.cat([self.keys, key], dim=2),
-            torch.cat([self.values, value], dim=2),
+            torch.cat([keys, key], dim=2),
+            torch.cat([values, value], dim=2),
             torch.cat([self.pos, new_pos], dim=2),
             {name: torch.cat([self.state[name], fresh[name]], dim=2) for name in fresh},
         )
 
     def _grow(self, extra: int) -> None:
-        self.keys, self.values = _pad_slots(self.keys, extra, 0), _pad_slots(self.values, extra, 0)
+        self.kv.grow(extra)
         self.pos = _pad_slots(self.pos, extra, -1)
         self.state = {name: _pad_slots(t, extra, 0.0) for name, t in self.state.items()}
 
     def _keep_best(self, keys, values, pos, state, view: SlotView) -> None:
         """After a multi-token step: keep each head's top-``budget`` slots in a ``budget + 1`` store."""
+        storage = self.policy.storage
         if self.budget is None:
-            self.keys, self.values, self.pos, self.state = keys, values, pos, state
+            self.kv = storage.from_dense(keys, values, pos, layer=self.layer_idx)
+            self.pos, self.state = pos, state
             return
         keep = int(self.budget.max())
         self.most = min(int(self.policy.drop_amount(self.budget).max()), keep + 1)
@@ -180,8 +190,8 @@ class SlotStore:
         def kept(tensor: torch.Tensor, fill: float) -> torch.Tensor:
             return _pad_slots(tensor.gather(2, along_slots(order, tensor)), spare, fill)
 
-        self.keys, self.values = kept(keys, 0), kept(values, 0)
         self.pos = _pad_slots(pos.gather(2, order).masked_fill(~rank_ok, -1), spare, -1)
+        self.kv = storage.from_dense(kept(keys, 0), kept(values, 0), self.pos, layer=self.layer_idx)
         self.state = {name: kept(t, 0.0) for name, t in state.items()}
 
 

@@ -78,10 +78,11 @@ class EvictionLayer(CacheLayerMixin):
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the batch (beam search): every per-row tensor follows its row."""
         store = self.store
-        if store.keys is None:
+        if store.kv is None:
             return
-        index = beam_idx.to(store.keys.device)
-        store.keys, store.values, store.pos = (t.index_select(0, index) for t in (store.keys, store.values, store.pos))
+        index = beam_idx.to(store.pos.device)
+        store.kv.index_select_batch(index)
+        store.pos = store.pos.index_select(0, index)
         store.state = {name: t.index_select(0, index) for name, t in store.state.items()}
         store.seen = store.seen.index_select(0, index)
         if store.budget is not None:
@@ -115,7 +116,7 @@ class EvictionCache(Cache):
         layers = []
         for layer in self.layers:
             store = layer.store
-            started = store.keys is not None
+            started = store.kv is not None
             layers.append(
                 {
                     "retained_tokens": int(store.retained().max()) if started else 0,

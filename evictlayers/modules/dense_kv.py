@@ -1,0 +1,62 @@
+"""The default K/V storage: keys and values held as they come, in the model dtype.
+
+A storage owns *how* a layer's slots hold their keys and values; the slot store owns *where* a token
+lives (DESIGN.md "Storage and what eviction does with a token"). Every storage builds slot objects with
+the same interface (``write``, ``dense``, ``gather``, ``grow``, ``index_select_batch``, ``nbytes``), so
+the store, its compiled decode step and eviction never look inside: ``QuantizedKV`` is the other one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from evictlayers.scoring import Component
+
+
+class DenseKV(Component):
+    """Keys and values in the model dtype, ``[B, H_kv, C, D]`` each (what ``Policy`` uses by default)."""
+
+    def from_dense(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, *, layer: int | None = None):
+        """Slots holding ``keys`` ``[B, H, N, D]`` and ``values`` ``[B, H, N, Dv]`` as they are."""
+        return DenseSlots(keys, values)
+
+
+class DenseSlots:
+    """One layer's keys and values, ``[B, H, C, D]`` and ``[B, H, C, Dv]``, addressed by slot."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor):
+        self.keys, self.values = keys, values
+
+    def write(self, slot: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pos: torch.Tensor) -> None:
+        """Store one token per head in place: ``slot`` ``[B, H]``, ``key`` ``[B, H, D]``, ``value`` ``[B, H, Dv]``.
+
+        ``index_put_`` rather than ``scatter_``: under ``torch.compile`` inductor writes the buffers in
+        place, where a functionalised ``scatter_`` copied the whole cache every step."""
+        rows, cols = batch_head_index(slot)
+        self.keys.index_put_((rows, cols, slot), key)
+        self.values.index_put_((rows, cols, slot), value)
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(keys, values)`` themselves: no copy."""
+        return self.keys, self.values
+
+    def gather(self, index: torch.Tensor) -> DenseSlots:
+        """Slots ``index`` ``[B, H, K]`` of each head, as new storage of ``K`` slots."""
+        return DenseSlots(*(t.gather(2, index[..., None].expand(*index.shape, t.shape[-1])) for t in self.dense()))
+
+    def grow(self, extra: int) -> None:
+        """``extra`` more (zeroed) slots at the end, between steps (a full cache running out of room)."""
+        self.keys, self.values = (torch.cat([t, t.new_zeros(*t.shape[:2], extra, t.shape[3])], 2) for t in self.dense())
+
+    def index_select_batch(self, index: torch.Tensor) -> None:
+        """Reorder (or repeat) sequences in place: row ``i`` becomes row ``index[i]`` (beam search)."""
+        self.keys, self.values = self.keys.index_select(0, index), self.values.index_select(0, index)
+
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+def batch_head_index(slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([B, 1], [1, H])`` aranges that, with ``slot`` ``[B, H]``, index one slot per ``(b, h)``."""
+    batch, heads = slot.shape
+    return torch.arange(batch, device=slot.device)[:, None], torch.arange(heads, device=slot.device)[None, :]
