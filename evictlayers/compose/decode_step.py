@@ -123,7 +123,7 @@ def compiled_decode_step() -> Callable:
     """
     global _COMPILED
     if _COMPILED is None:
-        _COMPILED = torch.compile(decode_step, fullgraph=True, dynamic=None)
+        _COMPILED = torch.compile(decode_step, fullgraph=True, dynamic=None, options={"emulate_precision_casts": True})
     return _COMPILED
 
 

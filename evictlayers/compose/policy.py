@@ -10,11 +10,11 @@ from torch import nn
 
 from evictlayers.compose.allocation import Allocation, Uniform
 from evictlayers.kernels import GQA_REDUCTIONS
-from evictlayers.modules import DenseKV, HeavyHitterSelector, Protection
+from evictlayers.modules import DenseKV, HeavyHitterSelector, Protection, QuantizedKV
 from evictlayers.scoring import Component, Observation, SlotView
 
 SELECTORS = (HeavyHitterSelector,)
-STORAGES = (DenseKV,)
+STORAGES = (DenseKV, QuantizedKV)
 
 
 def _describe_budget(budget: int | float | None) -> str:

@@ -9,8 +9,9 @@ A recipe maps straight onto constructors (torchtune style): every component is a
       _component_: Ramp
       spread: 0.5
     gqa_reduce: sum        # optional
-    storage:               # optional: DenseKV (default) or QuantizedKV
-      _component_: DenseKV
+    storage:               # optional: DenseKV (default) or QuantizedKV(bits, group, residual)
+      _component_: QuantizedKV
+      bits: 4
     modules:
       - _component_: RecentWindow
         size: 0.5
@@ -32,7 +33,7 @@ import yaml
 
 from evictlayers.compose.allocation import Pyramid, Ramp, Uniform
 from evictlayers.compose.policy import Policy
-from evictlayers.modules import DenseKV, HeavyHitterSelector, RecentWindow, SinkTokens
+from evictlayers.modules import DenseKV, HeavyHitterSelector, QuantizedKV, RecentWindow, SinkTokens
 from evictlayers.scoring import (
     Averaged,
     Component,
@@ -47,7 +48,7 @@ COMPONENTS: dict[str, type[Component]] = {
     cls.__name__: cls
     for cls in (
         RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged, Uniform, Ramp, Pyramid,
-        Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV,
+        Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV, QuantizedKV,
     )
 }
 POLICY_KEYS = ("budget", "modules", "drop", "allocation", "gqa_reduce", "storage")

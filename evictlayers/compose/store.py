@@ -119,7 +119,11 @@ class SlotStore:
         self.seq_len += q_len
         view = SlotView(pos=pos, seen=self.seen, budget=self.budget)
         self.policy.observe(state, observation, view)
-        self._keep_best(keys, values, pos, state, view)
+        if self.kv is None:
+            slots = self.policy.storage.from_dense(keys, values, pos, layer=self.layer_idx)
+        else:
+            slots = self.kv.append(key, value, new_pos)
+        self._keep_best(slots, pos, state, view)
         return attention.out
 
     def _decode(self, query, key, value, real, **attention_kwargs) -> torch.Tensor:
@@ -170,29 +174,26 @@ class SlotStore:
         self.pos = _pad_slots(self.pos, extra, -1)
         self.state = {name: _pad_slots(t, extra, 0.0) for name, t in self.state.items()}
 
-    def _keep_best(self, keys, values, pos, state, view: SlotView) -> None:
-        """After a multi-token step: keep each head's top-``budget`` slots in a ``budget + 1`` store."""
-        storage = self.policy.storage
+    def _keep_best(self, slots, pos, state, view: SlotView) -> None:
+        """After a multi-token step: keep each head's top-``budget`` slots in a ``budget + 1`` store.
+
+        ``slots`` is the storage holding the old slots followed by the step's tokens (``pos`` order)."""
         if self.budget is None:
-            self.kv = storage.from_dense(keys, values, pos, layer=self.layer_idx)
-            self.pos, self.state = pos, state
+            self.kv, self.pos, self.state = slots, pos, state
             return
         keep = int(self.budget.max())
         self.most = min(int(self.policy.drop_amount(self.budget).max()), keep + 1)
-        n_slots = keys.shape[2]
+        n_slots = pos.shape[2]
         priority = self.policy.priority(state, view)
         top = min(keep, n_slots)
         order = priority.topk(top, dim=-1, sorted=True).indices  # [B, H, top]
         # rows whose own budget is below the batch maximum drop their lowest-ranked picks
-        rank_ok = torch.arange(top, device=keys.device)[None, None, :] < self.budget[:, None, None]
+        rank_ok = torch.arange(top, device=pos.device)[None, None, :] < self.budget[:, None, None]
         spare = keep + 1 - top  # the capacity is budget + 1 whatever the step's width
-
-        def kept(tensor: torch.Tensor, fill: float) -> torch.Tensor:
-            return _pad_slots(tensor.gather(2, along_slots(order, tensor)), spare, fill)
-
+        self.kv = slots.gather(order)
+        self.kv.grow(spare)
         self.pos = _pad_slots(pos.gather(2, order).masked_fill(~rank_ok, -1), spare, -1)
-        self.kv = storage.from_dense(kept(keys, 0), kept(values, 0), self.pos, layer=self.layer_idx)
-        self.state = {name: kept(t, 0.0) for name, t in state.items()}
+        self.state = {name: _pad_slots(t.gather(2, along_slots(order, t)), spare, 0.0) for name, t in state.items()}
 
 
 def _pad_slots(tensor: torch.Tensor, extra: int, fill: float) -> torch.Tensor:

@@ -3,7 +3,11 @@
 from evictlayers.modules.dense_kv import DenseKV, DenseSlots
 from evictlayers.modules.heavy_hitter import HeavyHitterSelector
 from evictlayers.modules.protection import Protection
+from evictlayers.modules.quantized_kv import QuantizedKV, QuantizedSlots
 from evictlayers.modules.recent_window import RecentWindow
 from evictlayers.modules.sink_tokens import SinkTokens
 
-__all__ = ["DenseKV", "DenseSlots", "HeavyHitterSelector", "Protection", "RecentWindow", "SinkTokens"]
+__all__ = [
+    "DenseKV", "DenseSlots", "HeavyHitterSelector", "Protection", "QuantizedKV", "QuantizedSlots", "RecentWindow",
+    "SinkTokens",
+]

@@ -2,7 +2,8 @@
 
 A storage owns *how* a layer's slots hold their keys and values; the slot store owns *where* a token
 lives (DESIGN.md "Storage and what eviction does with a token"). Every storage builds slot objects with
-the same interface (``write``, ``dense``, ``gather``, ``grow``, ``index_select_batch``, ``nbytes``), so
+the same interface (``write``, ``dense``, ``append``, ``gather``, ``grow``, ``index_select_batch``,
+``nbytes``), so
 the store, its compiled decode step and eviction never look inside: ``QuantizedKV`` is the other one.
 """
 
@@ -43,6 +44,11 @@ class DenseSlots:
     def gather(self, index: torch.Tensor) -> DenseSlots:
         """Slots ``index`` ``[B, H, K]`` of each head, as new storage of ``K`` slots."""
         return DenseSlots(*(t.gather(2, index[..., None].expand(*index.shape, t.shape[-1])) for t in self.dense()))
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> DenseSlots:
+        """New storage with ``Q`` more slots holding ``keys`` ``[B, H, Q, D]`` / ``values`` (a multi-token
+        step after the first); ``pos`` ``[B, H, Q]`` is unused here."""
+        return DenseSlots(torch.cat([self.keys, keys], 2), torch.cat([self.values, values], 2))
 
     def grow(self, extra: int) -> None:
         """``extra`` more (zeroed) slots at the end, between steps (a full cache running out of room)."""

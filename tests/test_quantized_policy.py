@@ -1,0 +1,149 @@
+"""QuantizedKV as a policy's storage: close to the dense policy, padding-invariant, compiled like it,
+and the bytes it reports are the formula's.
+
+References: the same policy on dense storage (quantisation error is the only difference), the
+unmodified model (full cache), each row run alone (padding), and the byte formula of the KIVI layout
+written out here from the configuration (codes, 16-bit scales and zero points, the dense residual).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import evictlayers as el
+from tiny_models import build, greedy, kv_geometry, left_padded, single_thread, unpad_row  # noqa: F401
+
+LENGTHS = [24, 15]
+NEW_TOKENS = 12
+
+
+def h2o(budget, storage=None) -> el.Policy:
+    return el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=budget, storage=storage)
+
+
+def logits_under(model, policy, ids, mask, new_tokens=NEW_TOKENS, compile=False):
+    with el.apply(model, policy, compile=compile) as run:
+        out = greedy(model, ids, mask, new_tokens)
+        stats = run.stats()
+    return torch.stack(out.logits, 1), out.sequences, stats
+
+
+def forced_logits(model, policy, tokens, mask, width) -> torch.Tensor:
+    """``[B, steps, vocab]``: prefill ``tokens[:, :width]``, then feed the rest one token at a time
+    (teacher forcing, so every storage sees the same inputs); ``policy=None`` is the unmodified model."""
+    if policy is None:
+        with torch.no_grad():
+            return model(input_ids=tokens, attention_mask=mask).logits[:, width - 1 :]
+    with torch.no_grad(), el.apply(model, policy) as run:
+        cache = run.new_cache()
+        out = model(input_ids=tokens[:, :width], attention_mask=mask[:, :width], past_key_values=cache)
+        steps = [out.logits[:, -1]]
+        for t in range(width, tokens.shape[1]):
+            out = model(input_ids=tokens[:, t : t + 1], attention_mask=mask[:, : t + 1], past_key_values=cache)
+            steps.append(out.logits[:, -1])
+    return torch.stack(steps, 1)
+
+
+def continued(model, policy):
+    """A left-padded batch and a greedy continuation of it: ``(tokens, mask, prompt width)``."""
+    ids, mask = left_padded(LENGTHS)
+    tokens = greedy(model, ids, mask, NEW_TOKENS).sequences if policy is None else logits_under(
+        model, policy, ids, mask)[1]
+    return tokens, torch.cat([mask, torch.ones(2, NEW_TOKENS, dtype=mask.dtype)], 1), ids.shape[1]
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt_neox", "phi3"])
+def test_int8_stays_close_to_dense_and_int4_moves_further(name):
+    model = build(name)
+    tokens, mask, width = continued(model, h2o(10))
+    reference = forced_logits(model, h2o(10), tokens, mask, width)
+    int8 = forced_logits(model, h2o(10, el.QuantizedKV(bits=8, group=4, residual=2)), tokens, mask, width)
+    int4 = forced_logits(model, h2o(10, el.QuantizedKV(bits=4, group=4, residual=2)), tokens, mask, width)
+    spread = reference.std()
+    assert (int8 - reference).abs().max() < 0.05 * spread
+    assert (int8.argmax(-1) == reference.argmax(-1)).all()
+    # not vacuous: fewer bits, larger error
+    assert (int8 - reference).abs().mean() < (int4 - reference).abs().mean()
+
+
+def test_full_cache_int8_is_close_to_the_unmodified_model():
+    model = build("llama")
+    tokens, mask, width = continued(model, None)
+    reference = forced_logits(model, None, tokens, mask, width)
+    quantized = forced_logits(model, el.Policy(storage=el.QuantizedKV(bits=8, group=8, residual=4)), tokens, mask, width)
+    assert (quantized - reference).abs().max() < 0.05 * reference.std()
+
+
+@pytest.mark.parametrize("budget", [8, 0.5])
+def test_padded_batch_equals_each_row_alone(budget):
+    model = build("llama")
+    ids, mask = left_padded(LENGTHS)
+    policy = h2o(budget, el.QuantizedKV(bits=4, group=8, residual=3))
+    batch, _, _ = logits_under(model, policy, ids, mask)
+    for row in range(2):
+        alone = unpad_row(ids, mask, row)
+        solo, _, _ = logits_under(model, policy, alone, torch.ones_like(alone))
+        torch.testing.assert_close(batch[row], solo[0], rtol=1e-4, atol=1e-4)
+
+
+def expected_kv_bytes(batch, heads, slots, head_dim, bits, group, residual) -> int:
+    """The KIVI layout's bytes for one layer: packed codes, bf16 scale + zero point per group of
+    channels (keys and values), a float32 per-channel key normaliser, and the dense float32 residual
+    with its int64 slot index and write cursor."""
+    codes = 2 * slots * head_dim * bits // 8
+    scales = 2 * 2 * slots * (head_dim // group) * 2
+    ring = min(residual, slots)
+    per_head = codes + scales + head_dim * 4 + ring * (2 * head_dim * 4 + 8) + 8
+    return batch * heads * per_head
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_reported_bytes_match_the_formula(bits):
+    model = build("llama")
+    kv_heads, head_dim = kv_geometry(model.config)
+    ids, mask = left_padded(LENGTHS)
+    budget, group, residual = 10, 4, 3
+    _, _, stats = logits_under(model, h2o(budget, el.QuantizedKV(bits=bits, group=group, residual=residual)), ids, mask)
+    per_layer = expected_kv_bytes(2, kv_heads, budget + 1, head_dim, bits, group, residual)
+    assert [layer["kv_bytes"] for layer in stats["layers"]] == [per_layer] * len(stats["layers"])
+    _, _, dense_stats = logits_under(model, h2o(budget), ids, mask)
+    dense_layer = 2 * 2 * kv_heads * (budget + 1) * head_dim * 4
+    assert dense_stats["layers"][0]["kv_bytes"] == dense_layer
+    assert stats["kv_bytes"] < dense_stats["kv_bytes"]
+
+
+def test_compiled_decode_with_quantized_storage_is_one_graph_equal_to_eager():
+    model = build("llama")
+    ids, mask = left_padded(LENGTHS)
+    policy = h2o(10, el.QuantizedKV(bits=4, group=8, residual=4))
+    eager, _, _ = logits_under(model, policy, ids, mask, new_tokens=40)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, _, _ = logits_under(model, policy, ids, mask, new_tokens=40, compile=True)
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["recompiles"]
+    # exact to float tolerance only because the step is compiled with emulate_precision_casts: without
+    # it inductor kept the 16-bit scales in float32 inside the fused kernel, so codes were rounded
+    # against a scale other than the stored one (measured: as large an error as int8 itself)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
+def test_chunked_prefill_keeps_the_codes_of_held_tokens():
+    """A second multi-token step appends codes; the tokens already held are not re-quantised."""
+    model = build("llama")
+    ids, mask = left_padded([30, 30])
+    policy = el.Policy(budget=None, storage=el.QuantizedKV(bits=4, group=8, residual=0))
+    with torch.no_grad(), el.apply(model, policy) as run:
+        cache = run.new_cache()
+        model(input_ids=ids[:, :20], attention_mask=mask[:, :20], past_key_values=cache)
+        before = cache.layers[0].store.kv.key_codes.clone()
+        model(input_ids=ids[:, 20:], attention_mask=mask, past_key_values=cache)
+        after = cache.layers[0].store.kv.key_codes
+    assert torch.equal(after[:, :, :20], before)
+
+
+def test_storage_must_be_a_storage():
+    with pytest.raises(TypeError, match=r"Policy\(storage='int4'\): expected a K/V storage, one of DenseKV\(\), "
+                                        r"QuantizedKV\(\)"):
+        el.Policy(budget=8, storage="int4")
