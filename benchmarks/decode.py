@@ -1,0 +1,172 @@
+"""``decode``: tokens/s of greedy decoding after a long PG-19 prompt, batch 1 and 8.
+
+Configurations (baseline: the unmodified model with eager attention):
+
+- ``hf-eager``, ``hf-sdpa``: transformers' DynamicCache with its eager / SDPA attention;
+- ``hf-static-compiled``: transformers' StaticCache with the forward compiled by
+  ``model.get_compiled_call`` (what ``generate(cache_implementation="static")`` runs on GPUs; on a CPU
+  generate only compiles with ``CompileConfig(_compile_all_devices=True)``, so the loop here calls it
+  directly);
+- ``el-full``, ``el-h2o`` (``recipes/full.yaml``, ``recipes/h2o.yaml`` at 20%): evictlayers,
+  eager and ``-compiled`` (``evictlayers.apply(..., compile=True)``).
+
+Each family (HF, full, h2o) prefills once per prompt at batch 1; every configuration decodes from a
+copy tiled to its batch. A measurement is ``warmup`` steps (compilation happens there), then
+``repeats`` blocks of ``steps`` steps; the value is the median block's tokens/s over all rows.
+Beside it, ``ideal_ratio`` is the speedup that bytes read per step alone predict against the baseline:
+``(W + KV_baseline) / (W + KV_config)``, ``W`` the parameter bytes and ``KV`` the key/value bytes the
+cache holds (all of which the step reads).
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+import torch
+
+from benchmarks.common import (
+    COMPILE_S,
+    Case,
+    Context,
+    estimate_prefill_s,
+    estimate_step_s,
+    metric,
+    row,
+    skipped,
+    timed_blocks,
+)
+from benchmarks.loop import (
+    DecodeLoop,
+    Prefilled,
+    PrefillMemo,
+    attention_implementation,
+    kv_resident_bytes,
+    static_copy,
+    tiled,
+)
+
+NAME = "decode"
+BASELINE = "hf-eager"
+DEFAULT_REPEATS = 3
+EL_STEP_OVERHEAD_S = 1e-3  # per layer: the eager slot store's Python and small ops, for the estimate only
+
+
+@dataclass(frozen=True)
+class Plan:
+    prompts: tuple[int, ...]
+    batches: tuple[int, ...]
+    warmup: int
+    steps: int
+    repeats: int
+
+    @property
+    def total(self) -> int:
+        return self.warmup + self.steps * self.repeats
+
+
+def make_plan(context: Context) -> Plan:
+    """Sizes of the full suite, or tiny ones with ``--quick``."""
+    repeats = context.settings.repeats_for(DEFAULT_REPEATS)
+    if context.settings.quick:
+        return Plan(prompts=(64, 128), batches=(1, 8), warmup=2, steps=2, repeats=repeats)
+    return Plan(prompts=(4096, 8192), batches=(1, 8), warmup=3, steps=4, repeats=repeats)
+
+
+# (config, family, compiled); each family's first config is measured first for every prompt and batch
+CONFIGS = [
+    ("hf-eager", "hf", False),
+    ("hf-sdpa", "hf", False),
+    ("hf-static-compiled", "hf", True),
+    ("el-full", "full", False),
+    ("el-full-compiled", "full", True),
+    ("el-h2o", "h2o", False),
+    ("el-h2o-compiled", "h2o", True),
+]
+BUDGET = {"hf": 1.0, "full": 1.0, "h2o": 0.2}  # fraction of the prompt each family keeps (estimate only)
+
+
+def skip_reason(context: Context) -> str | None:
+    return None
+
+
+def decode(context: Context, config: str, source: Prefilled, batch: int, plan: Plan):
+    """Time the decode loop of one configuration; returns ``(seconds per step per block, graphs compiled
+    while timed, cache)`` or a string saying why the configuration cannot run."""
+    model = context.subject.model
+    with torch.inference_mode(), ExitStack() as stack:
+        if config in ("hf-eager", "hf-sdpa"):
+            stack.enter_context(attention_implementation(model, config.removeprefix("hf-")))
+            forward, cache = model, tiled(source.cache, batch)
+        elif config == "hf-static-compiled":
+            stack.enter_context(attention_implementation(model, "sdpa"))
+            forward = model.get_compiled_call(None)  # generate()'s compiled forward for a static cache
+            cache = static_copy(model, source.cache, batch, source.prompt + plan.total)
+        else:
+            import evictlayers as el
+
+            compiled = config.endswith("-compiled")
+            try:
+                stack.enter_context(el.apply(model, source.policy, compile=compiled))
+            except TypeError as error:
+                return f"evictlayers.apply(compile={compiled}) is not available: {error}"
+            forward, cache = model, tiled(source.cache, batch, keep=[source.policy])
+            for layer in cache.layers:
+                # the shared prefill ran eagerly (prefill always does); decode the copy as configured
+                layer.store.compile = compiled
+        loop = DecodeLoop(model, forward, cache, source.token.expand(batch, 1), source.prompt, plan.total)
+        return *timed_blocks(loop, plan.warmup, plan.steps, plan.repeats), cache
+
+
+def cases(context: Context) -> list[Case]:
+    settings, plan = context.settings, make_plan(context)
+    memo = PrefillMemo(context)
+    baseline_bytes: dict[tuple[int, int], int] = {}
+    out = []
+
+    def measure(config: str, family: str, prompt: int, batch: int) -> dict:
+        params = {"prompt": prompt, "batch": batch}
+        if config.endswith("-compiled") and not settings.compile:
+            return skipped(config, params, "--no-compile")
+        source = memo.get(family, prompt)
+        result = decode(context, config, source, batch, plan)
+        if isinstance(result, str):
+            return skipped(config, params, result)
+        seconds, timed_compiles, cache = result
+        kv = kv_resident_bytes(cache)
+        step_bytes = context.subject.geometry["weight_bytes"] + kv
+        if config == BASELINE:
+            baseline_bytes[(prompt, batch)] = step_bytes
+        ideal = baseline_bytes[(prompt, batch)] / step_bytes if (prompt, batch) in baseline_bytes else None
+        info = {"ideal_ratio": ideal, "kv_mib": kv / 2**20, "step_mib": step_bytes / 2**20}
+        if config.endswith("-compiled"):
+            info["timed_compiles"] = timed_compiles
+        tokens_per_s = [batch / s for s in seconds]
+        return row(config, params, {"tokens_per_s": metric(tokens_per_s, "tokens/s", BASELINE, True)}, info)
+
+    for family in ("hf", "full", "h2o"):
+        for prompt in plan.prompts:
+            for index, (config, compiled) in enumerate((c, k) for c, f, k in CONFIGS if f == family):
+                for batch in plan.batches:
+                    first = index == 0 and batch == plan.batches[0]
+                    out.append(Case(
+                        NAME, config, {"prompt": prompt, "batch": batch},
+                        estimate_case(context, plan, family, prompt, batch, compiled, prefills=first),
+                        lambda c=config, f=family, p=prompt, b=batch: measure(c, f, p, b),
+                    ))
+    return out
+
+
+def estimate_case(
+    context: Context, plan: Plan, family: str, prompt: int, batch: int, compiled: bool, prefills: bool
+) -> float:
+    """Seconds: the family's prefill (first case of a prompt), compilation, and the decode steps."""
+    settings, geometry = context.settings, context.subject.geometry
+    if compiled and not settings.compile:
+        return 0.0
+    seconds = estimate_prefill_s(geometry, prompt, family != "hf", context.cores) if prefills else 0.0
+    if compiled:
+        seconds += COMPILE_S["hf_per_layer"] * geometry["layers"] if family == "hf" else COMPILE_S["el"]
+    step_bytes = geometry["weight_bytes"] + context.subject.kv_bytes_per_token(batch) * prompt * BUDGET[family]
+    step_s = estimate_step_s(step_bytes) + (EL_STEP_OVERHEAD_S * geometry["layers"] if family != "hf" else 0.0)
+    return seconds + plan.total * step_s
