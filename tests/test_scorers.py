@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import evictlayers as el
+from evictlayers.kernels import dispatch
 from evictlayers.scoring import SlotView
 from reference_scorers import ReferenceCache, single_thread  # noqa: F401 (autouse fixture)
 
@@ -40,6 +41,18 @@ def _library_scores(store, scorer):
         values = selector.score(store.state, SlotView(pos=store.pos, seen=store.seen, budget=store.budget))
     pos = store.pos[0, 0]
     return {int(p): float(values[0, 0, s]) for s, p in enumerate(pos.tolist()) if p >= 0}
+
+
+@pytest.fixture(autouse=True)
+def reference_kernels(monkeypatch):
+    """Score with the reference attention: Algorithm 2's counter compares each probability with 1/t, a
+    step function, so the last-bit differences of the fused CPU prefill (tested against the reference
+    in test_prefill_kernel.py) can flip a count where a probability sits on the threshold."""
+    monkeypatch.setenv("EVICTLAYERS_KERNELS", "reference")
+    dispatch.reload_kernel_choice()
+    yield
+    monkeypatch.undo()
+    dispatch.reload_kernel_choice()
 
 
 def _compare(scorer, *, budget, schedule, recent=0, sinks=0, drop=1, sg=False, pool=None, seed=0):

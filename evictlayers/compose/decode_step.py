@@ -17,7 +17,7 @@ import torch
 
 from evictlayers.compose.policy import Policy
 from evictlayers.modules.dense_kv import batch_head_index
-from evictlayers.kernels import decode_attention_with_mass as decode_attention
+from evictlayers.kernels.dispatch import decode_attention
 from evictlayers.scoring import Observation, SlotView
 
 _OLDEST_LAST = torch.iinfo(torch.long).max

@@ -12,7 +12,7 @@ import torch
 
 from evictlayers.compose.decode_step import along_slots, compiled_decode_step, decode_step
 from evictlayers.compose.policy import Policy
-from evictlayers.kernels import attention_with_mass
+from evictlayers.kernels.dispatch import prefill_attention
 from evictlayers.scoring import Observation, SlotView
 
 
@@ -101,7 +101,7 @@ class SlotStore:
         new_pos = query_pos[:, None, :].expand(batch, kv_heads, q_len)
         keys, values, pos, state = self._concatenated(key, value, new_pos)
 
-        attention = attention_with_mass(
+        attention = prefill_attention(
             query, keys, values, query_pos, pos,
             scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=self.policy.gqa_reduce,
             score_gain=self.policy.score_gain(query_pos, self.budget), keep_rows=self.policy.rows_needed,

@@ -12,7 +12,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from evictlayers.kernels import attention_with_mass
+from evictlayers.kernels import prefill_attention
 
 ATTENTION_NAME = "evictlayers"
 
@@ -56,7 +56,7 @@ def evicting_attention(
             real = torch.ones(query.shape[0], query.shape[2], dtype=torch.bool, device=query.device)
         pos = torch.where(real, real.long().cumsum(1) - 1, -1)
         key_pos = pos[:, None, :].expand(-1, key.shape[1], -1)
-        out = attention_with_mass(query, key, value, pos, key_pos, **options).out
+        out = prefill_attention(query, key, value, pos, key_pos, **options).out
     return out.transpose(1, 2).contiguous(), None
 
 

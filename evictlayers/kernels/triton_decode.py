@@ -1,0 +1,324 @@
+"""Triton decode attention over KV slots that also returns each slot's probability mass.
+
+Same signature and result as ``decode_attention.decode_attention_with_mass`` (the reference).
+Flash-decoding (Dao et al., "Flash-Decoding for long-context inference", 2023): the slots of each
+``(b, kv head)`` are cut into splits processed in parallel; each split keeps a running max ``m_s``,
+sum ``l_s = sum_j exp(x_j - m_s)`` and unnormalised output ``acc_s = sum_j exp(x_j - m_s) v_j``; the
+merge uses the log-sum-exp rule ``M = max_s m_s``, ``L = sum_s l_s e^(m_s - M)``,
+``out = sum_s acc_s e^(m_s - M) / L``. One program serves all ``G`` query heads of a GQA group, so
+each key block is read once for the whole group.
+
+The mass (H2O Algorithm 1 lines 8-9 accumulate it) needs the final normaliser, which only exists
+after the merge. Rather than reading K a second time, pass 1 stores its float32 logits in a
+``[B, H_kv, G, N]`` scratch buffer (as awslabs/keys_values does) and the finalise pass turns them into
+``exp(x - LSE)`` with ``LSE = M + log L``, reduced over the group. With ``score_gain`` the scoring
+softmax has its own normaliser: pass 1 keeps a second running max/sum over ``gain * x``.
+
+The small ``@triton.jit`` helpers here are shared with ``triton_prefill``.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from evictlayers.kernels.attention_mass import GQA_REDUCTIONS
+from evictlayers.kernels.decode_attention import DecodeAttention
+
+REDUCE_CODES = {"sum": 0, "mean": 1, "max": 2}  # the kernels' REDUCE constexpr
+
+
+def interpreting() -> bool:
+    """Whether Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def dot_options(dtype: torch.dtype) -> tuple[bool, str]:
+    """(upcast to float32 before ``tl.dot``, its ``input_precision``) for a cache dtype.
+
+    float32 caches use exact ``ieee`` products: TF32 would move logits by ~1e-3 and could flip an
+    eviction against the reference. The CPU interpreter gets ``tl.dot`` wrong for bfloat16, so there
+    bfloat16 is upcast.
+    """
+    upcast = dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
+    return upcast, "ieee" if upcast else "tf32"
+
+
+def block_size(n: int, lo: int = 16) -> int:
+    """Next power of two >= n, at least ``lo`` (``tl.dot`` needs every dim >= 16)."""
+    return max(lo, triton.next_power_of_2(n))
+
+
+@triton.jit
+def soft_cap(x, cap):
+    """Gemma2's ``tanh(x / cap) * cap``, with tanh written through exp (saturates cleanly at +-1)."""
+    return (1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)) * cap
+
+
+@triton.jit
+def visible_slots(q_pos, k_pos, window, HAS_WINDOW: tl.constexpr):
+    """Which slots a query sees: filled, not in its future, inside the sliding window; none for padding.
+
+    ``q_pos`` and ``k_pos`` broadcast against each other (``[M, 1]`` and ``[1, N]``, or scalars).
+    """
+    seen = (k_pos >= 0) & (k_pos <= q_pos) & (q_pos >= 0)
+    if HAS_WINDOW:
+        seen = seen & (q_pos - k_pos < window)
+    return seen
+
+
+@triton.jit
+def masked_logits(q, k, seen, scaling, softcap, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
+                  PRECISION: tl.constexpr):
+    """``q @ k^T`` scaled (and soft-capped) in float32, ``-inf`` where not ``seen``. q: [M, D], k: [N, D]."""
+    if UPCAST:
+        q = q.to(tl.float32)
+        k = k.to(tl.float32)
+    x = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
+    if HAS_SOFTCAP:
+        x = soft_cap(x, softcap)
+    return tl.where(seen, x, float("-inf"))
+
+
+@triton.jit
+def online_update(m_i, l_i, x):
+    """One block of the online softmax: new running max, rescale factor, ``exp(x - max)``, new sum.
+
+    A row that has seen nothing keeps max ``-inf``; the max is then read as 0 so that no
+    ``-inf - -inf`` NaN appears and its probabilities stay 0.
+    """
+    m_new = tl.maximum(m_i, tl.max(x, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp(m_i - m_safe)
+    p = tl.exp(x - m_safe[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
+def _split_kernel(
+    q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, gain_ptr,
+    logits_ptr, m_ptr, l_ptr, ms_ptr, ls_ptr, acc_ptr,
+    s_qb, s_qh, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_pb, s_ph,
+    N, D, DV, split_len, n_splits, scaling, softcap, window,
+    HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_GAIN: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Pass 1, one program per (b * H_kv + h, split): logits to scratch, split max/sum/partial output."""
+    bh = tl.program_id(0).to(tl.int64)  # int64: b * batch stride overflows int32 on large caches
+    split = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    g_ok = offs_g < G
+    q = tl.load(q_ptr + b * s_qb + (h * G + offs_g)[:, None] * s_qh + offs_d[None, :],
+                mask=g_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(k_ptr.dtype.element_ty)
+    q_pos = tl.load(qpos_ptr + b)
+    if HAS_GAIN:
+        gain = tl.load(gain_ptr + b).to(tl.float32)
+
+    m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    ms_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+    ls_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+    start = split * split_len
+    end = tl.minimum(start + split_len, N)
+    for n0 in range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < end
+        k_pos = tl.load(kpos_ptr + b * s_pb + h * s_ph + offs_n, mask=n_ok, other=-1)
+        seen = visible_slots(q_pos, k_pos, window, HAS_WINDOW)[None, :]
+        k = tl.load(k_ptr + b * s_kb + h * s_kh + offs_n[:, None] * s_kn + offs_d[None, :],
+                    mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+        x = masked_logits(q, k, seen, scaling, softcap, HAS_SOFTCAP, UPCAST, PRECISION)
+        tl.store(logits_ptr + (bh * G + offs_g)[:, None] * N + offs_n[None, :], x,
+                 mask=g_ok[:, None] & n_ok[None, :])
+        m_i, alpha, p, l_i = online_update(m_i, l_i, x)
+        v = tl.load(v_ptr + b * s_vb + h * s_vh + offs_n[:, None] * s_vn + offs_dv[None, :],
+                    mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+        if UPCAST:
+            v = v.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        if HAS_GAIN:
+            # gain 0 on a hidden -inf logit would be NaN: mask after multiplying
+            ms_i, _, _, ls_i = online_update(ms_i, ls_i, tl.where(seen, x * gain, float("-inf")))
+
+    stat = (bh * n_splits + split) * G + offs_g
+    tl.store(m_ptr + stat, m_i, mask=g_ok)
+    tl.store(l_ptr + stat, l_i, mask=g_ok)
+    if HAS_GAIN:
+        tl.store(ms_ptr + stat, ms_i, mask=g_ok)
+        tl.store(ls_ptr + stat, ls_i, mask=g_ok)
+    tl.store(acc_ptr + stat[:, None] * DV + offs_dv[None, :], acc, mask=g_ok[:, None] & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def merged_lse(m_ptr, l_ptr, bh, n_splits, G: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_G: tl.constexpr):
+    """Merge one (b, kv head)'s split statistics: (max M [G], L = sum_s l_s e^(m_s - M) [G], LSE [G]).
+
+    ``M`` is read as 0 for a head that saw no slot; its ``L`` is 0 and its ``LSE`` is ``-inf``.
+    """
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_g = tl.arange(0, BLOCK_G)
+    at = (bh * n_splits + offs_s[:, None]) * G + offs_g[None, :]
+    ok = (offs_s[:, None] < n_splits) & (offs_g[None, :] < G)
+    m = tl.load(m_ptr + at, mask=ok, other=float("-inf"))
+    l = tl.load(l_ptr + at, mask=ok, other=0.0)
+    top = tl.max(m, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    total = tl.sum(l * tl.exp(m - top[None, :]), 0)
+    return top, total, top + tl.log(total)
+
+
+@triton.jit
+def _finalise_kernel(
+    logits_ptr, m_ptr, l_ptr, ms_ptr, ls_ptr, acc_ptr, gain_ptr, out_ptr, mass_ptr,
+    s_ob, s_oh, N, DV, n_splits,
+    HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_GAIN: tl.constexpr, REDUCE: tl.constexpr,
+):
+    """Pass 2, one program per (b * H_kv + h, slot block): merge the splits (block 0 writes the
+    output), then the block's stored logits become probabilities ``exp(x - LSE)`` reduced over the group."""
+    bh = tl.program_id(0).to(tl.int64)
+    nb = tl.program_id(1)
+    b = bh // HKV
+    h = bh % HKV
+    offs_g = tl.arange(0, BLOCK_G)
+    g_ok = offs_g < G
+    top, total, lse = merged_lse(m_ptr, l_ptr, bh, n_splits, G, BLOCK_S, BLOCK_G)
+    if nb == 0:
+        # splits one at a time: a [splits, G, D_v] tile would not fit in registers
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dv_ok = offs_dv[None, :] < DV
+        out = tl.zeros([BLOCK_G, BLOCK_DV], tl.float32)
+        for split in range(n_splits):
+            row = (bh * n_splits + split) * G + offs_g
+            m_s = tl.load(m_ptr + row, mask=g_ok, other=float("-inf"))
+            acc = tl.load(acc_ptr + row[:, None] * DV + offs_dv[None, :], mask=g_ok[:, None] & dv_ok, other=0.0)
+            out += acc * tl.exp(m_s - top)[:, None]
+        # a head that saw nothing (padding query) has acc = 0 and total = 0: its output stays 0
+        out = out / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(out_ptr + b * s_ob + (h * G + offs_g)[:, None] * s_oh + offs_dv[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & dv_ok)
+
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    x = tl.load(logits_ptr + (bh * G + offs_g)[:, None] * N + offs_n[None, :],
+                mask=g_ok[:, None] & n_ok[None, :], other=float("-inf"))
+    hidden = x == float("-inf")  # tested before the gain: -inf * 0 would be NaN
+    if HAS_GAIN:
+        _, _, lse = merged_lse(ms_ptr, ls_ptr, bh, n_splits, G, BLOCK_S, BLOCK_G)
+        x = x * tl.load(gain_ptr + b).to(tl.float32)
+    p = tl.where(hidden, 0.0, tl.exp(x - lse[:, None]))
+    if REDUCE == 2:
+        mass = tl.max(p, 0)  # probabilities are >= 0, so the zero padding heads never win
+    else:
+        mass = tl.sum(p, 0)
+        if REDUCE == 1:
+            mass = mass / G
+    tl.store(mass_ptr + bh * N + offs_n, mass, mask=n_ok)
+
+
+_MAX_SPLITS = 128  # the merge holds a [splits, G] tile of statistics
+
+
+def _split_plan(n_slots: int, rows: int, block_n: int, device: torch.device) -> tuple[int, int]:
+    """(slots per split, number of splits): enough programs to fill the device, none of them empty."""
+    n_blocks = triton.cdiv(n_slots, block_n)
+    if device.type == "cuda":
+        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+    else:
+        target = 8  # the interpreter: a few splits so that the merge is exercised
+    splits = max(1, min(n_blocks, triton.cdiv(target, rows), _MAX_SPLITS))
+    split_len = triton.cdiv(n_blocks, splits) * block_n
+    return split_len, triton.cdiv(n_slots, split_len)
+
+
+def decode_attention_with_mass_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    gqa_reduce: str = "sum",
+    score_gain: torch.Tensor | None = None,
+) -> DecodeAttention:
+    """Triton twin of ``decode_attention_with_mass``; see it for the arguments.
+
+    Shapes: query ``[B, H_q, D]``, key ``[B, H_kv, N, D]``, value ``[B, H_kv, N, D_v]``, query_pos
+    ``[B]``, key_pos ``[B, H_kv, N]``, score_gain ``[B]``. Returns out ``[B, H_q, D_v]`` (query dtype) and
+    mass ``[B, H_kv, N]`` float32. Extra memory: ``B * H_q * N`` float32 logits plus per-split stats.
+    The launch is the custom op ``torch.ops.evictlayers.decode_attention_with_mass_triton``, so
+    ``torch.compile`` traces through it (``torch.library.triton_op``).
+    """
+    if gqa_reduce not in GQA_REDUCTIONS:
+        raise ValueError(f"gqa_reduce={gqa_reduce!r} is not one of {GQA_REDUCTIONS}")
+    if query.shape[1] % key.shape[1]:
+        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})")
+    out, mass = _decode_op(query, key, value, query_pos, key_pos, scaling, softcap, sliding_window, gqa_reduce,
+                           score_gain)
+    return DecodeAttention(out, mass)
+
+
+@torch.library.triton_op("evictlayers::decode_attention_with_mass_triton", mutates_args=())
+def _decode_op(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    scaling: float,
+    softcap: float | None,
+    sliding_window: int | None,
+    gqa_reduce: str,
+    score_gain: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Allocate the scratch buffers and launch the two passes; arguments as the public function."""
+    batch, q_heads, head_dim = query.shape
+    _, kv_heads, n_slots, _ = key.shape
+    v_dim = value.shape[-1]
+    groups = q_heads // kv_heads
+    # the kernels index the last dim with stride 1
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    key_pos = key_pos.contiguous()
+    gain = score_gain.contiguous() if score_gain is not None else query_pos  # never read without a gain
+    device = query.device
+    block_n = 16 if interpreting() else 64
+    split_len, n_splits = _split_plan(n_slots, batch * kv_heads, block_n, device)
+    upcast, precision = dot_options(key.dtype)
+
+    f32 = dict(dtype=torch.float32, device=device)
+    logits = torch.empty(batch, kv_heads, groups, n_slots, **f32)
+    stats = torch.empty(4, batch * kv_heads, n_splits, groups, **f32)  # m, l, and m, l of the scoring softmax
+    acc = torch.empty(batch * kv_heads, n_splits, groups, v_dim, **f32)
+    out = torch.empty(batch, q_heads, v_dim, dtype=query.dtype, device=device)
+    mass = torch.empty(batch, kv_heads, n_slots, **f32)
+    shared = dict(HKV=kv_heads, G=groups, BLOCK_G=block_size(groups), BLOCK_N=block_n,
+                  BLOCK_DV=block_size(v_dim), HAS_GAIN=score_gain is not None)
+
+    torch.library.wrap_triton(_split_kernel)[(batch * kv_heads, n_splits)](
+        query, key, value, query_pos, key_pos, gain, logits, stats[0], stats[1], stats[2], stats[3], acc,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), key_pos.stride(0), key_pos.stride(1),
+        n_slots, head_dim, v_dim, split_len, n_splits, scaling, softcap or 1.0, sliding_window or 0,
+        BLOCK_D=block_size(head_dim), HAS_SOFTCAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
+        UPCAST=upcast, PRECISION=precision, **shared,
+    )
+    torch.library.wrap_triton(_finalise_kernel)[(batch * kv_heads, triton.cdiv(n_slots, block_n))](
+        logits, stats[0], stats[1], stats[2], stats[3], acc, gain, out, mass, out.stride(0), out.stride(1),
+        n_slots, v_dim, n_splits, BLOCK_S=triton.next_power_of_2(n_splits), REDUCE=REDUCE_CODES[gqa_reduce],
+        **shared,
+    )
+    return out, mass

@@ -1,0 +1,228 @@
+"""Triton prefill attention over KV slots that also returns each slot's probability mass.
+
+Same signature and result as ``attention_mass.attention_with_mass`` (the reference). Two passes, and
+never an ``[n, n]`` matrix:
+
+1. a FlashAttention forward (Dao et al. 2022, Algorithm 1: online softmax over key blocks) per query
+   block and query head, writing the output and the row log-sum-exp ``LSE_i = log sum_j exp(x_ij)``
+   (``O(Q)`` extra memory), plus ``LSE^s_i`` of the scoring logits ``gain_i * x_ij`` when a score gain
+   is given;
+2. per key block and KV head, the logits are recomputed block by block and the column sums
+   ``sum_i exp(x_ij - LSE_i)`` accumulated over the queries (H2O Algorithm 1 lines 8-9 add exactly
+   this to the accumulated score), per query head, then reduced over the GQA group; the last
+   ``keep_rows`` rows are written out reduced over the group.
+
+Slots are unordered and addressed by position, so visibility is tested per (query, slot) pair; a block
+pair in which no query sees any slot (the upper triangle of an ordered prompt, empty blocks, outside
+the sliding window) is skipped, which halves the work of a causal prompt.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from evictlayers.kernels.attention_mass import GQA_REDUCTIONS, AttentionMass
+from evictlayers.kernels.triton_decode import (
+    REDUCE_CODES,
+    block_size,
+    dot_options,
+    interpreting,
+    masked_logits,
+    online_update,
+    visible_slots,
+)
+
+
+@triton.jit
+def _forward_kernel(
+    q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, gain_ptr, out_ptr, lse_ptr, lse_s_ptr,
+    s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
+    Q, N, D, DV, scaling, softcap, window,
+    HQ: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_GAIN: tl.constexpr,
+    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Pass 1, one program per (query block, b * H_q + head): output and LSE of its rows."""
+    mb = tl.program_id(0)
+    bhq = tl.program_id(1).to(tl.int64)  # int64: b * batch stride overflows int32 on large caches
+    b = bhq // HQ
+    hq = bhq % HQ
+    h = hq // G
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    m_ok = offs_m < Q
+    q = tl.load(q_ptr + b * s_qb + hq * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
+                mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(k_ptr.dtype.element_ty)
+    q_pos = tl.load(qpos_ptr + b * Q + offs_m, mask=m_ok, other=-1)
+    if HAS_GAIN:
+        gain = tl.load(gain_ptr + b * Q + offs_m, mask=m_ok, other=0.0).to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    ms_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    ls_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < N
+        k_pos = tl.load(kpos_ptr + (b * (HQ // G) + h) * N + offs_n, mask=n_ok, other=-1)
+        seen = visible_slots(q_pos[:, None], k_pos[None, :], window, HAS_WINDOW)
+        if tl.max(seen.to(tl.int32)) > 0:
+            k = tl.load(k_ptr + b * s_kb + h * s_kh + offs_n[:, None] * s_kn + offs_d[None, :],
+                        mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+            x = masked_logits(q, k, seen, scaling, softcap, HAS_SOFTCAP, UPCAST, PRECISION)
+            m_i, alpha, p, l_i = online_update(m_i, l_i, x)
+            v = tl.load(v_ptr + b * s_vb + h * s_vh + offs_n[:, None] * s_vn + offs_dv[None, :],
+                        mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+            if UPCAST:
+                v = v.to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            if HAS_GAIN:
+                ms_i, _, _, ls_i = online_update(ms_i, ls_i, tl.where(seen, x * gain[:, None], float("-inf")))
+
+    # a row that saw nothing (padding) has acc = 0 and l = 0: output 0, LSE -inf
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+    tl.store(out_ptr + b * s_ob + hq * s_oh + offs_m[:, None] * s_om + offs_dv[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < DV))
+    tl.store(lse_ptr + bhq * Q + offs_m, m_i + tl.log(l_i), mask=m_ok)
+    if HAS_GAIN:
+        tl.store(lse_s_ptr + bhq * Q + offs_m, ms_i + tl.log(ls_i), mask=m_ok)
+
+
+@triton.jit
+def _mass_kernel(
+    q_ptr, k_ptr, qpos_ptr, kpos_ptr, gain_ptr, lse_ptr, mass_ptr, rows_ptr,
+    s_qb, s_qh, s_qm, s_kb, s_kh, s_kn,
+    Q, N, D, R, scaling, softcap, window,
+    HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_GAIN: tl.constexpr, KEEP_ROWS: tl.constexpr,
+    REDUCE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """Pass 2, one program per (slot block, b * H_kv + h): column sums of the scoring probabilities.
+
+    ``lse_ptr`` holds the LSE of the scoring softmax (the model's own, or the gained one).
+    """
+    nb = tl.program_id(0)
+    bh = tl.program_id(1).to(tl.int64)  # int64: b * batch stride overflows int32 on large caches
+    b = bh // HKV
+    h = bh % HKV
+    offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_g = tl.arange(0, BLOCK_G)
+    n_ok = offs_n < N
+    k_pos = tl.load(kpos_ptr + bh * N + offs_n, mask=n_ok, other=-1)
+    k = tl.load(k_ptr + b * s_kb + h * s_kh + offs_n[:, None] * s_kn + offs_d[None, :],
+                mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    # per-head column sums: "max" reduces the heads' totals over all queries, not row by row
+    head_sums = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
+    for m0 in range(0, Q, BLOCK_M):
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        m_ok = offs_m < Q
+        q_pos = tl.load(qpos_ptr + b * Q + offs_m, mask=m_ok, other=-1)
+        seen = visible_slots(q_pos[:, None], k_pos[None, :], window, HAS_WINDOW)
+        if HAS_GAIN:
+            gain = tl.load(gain_ptr + b * Q + offs_m, mask=m_ok, other=0.0).to(tl.float32)
+        grouped = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # these rows' probabilities reduced over the group
+        if tl.max(seen.to(tl.int32)) > 0:
+            for g in range(G):
+                hq = h * G + g
+                q = tl.load(q_ptr + b * s_qb + hq * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
+                            mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(k_ptr.dtype.element_ty)
+                x = masked_logits(q, k, seen, scaling, softcap, HAS_SOFTCAP, UPCAST, PRECISION)
+                if HAS_GAIN:
+                    x = x * gain[:, None]
+                lse = tl.load(lse_ptr + (b * HKV * G + hq) * Q + offs_m, mask=m_ok, other=0.0)
+                p = tl.where(seen, tl.exp(x - lse[:, None]), 0.0)
+                head_sums = tl.where(offs_g[:, None] == g, head_sums + tl.sum(p, 0)[None, :], head_sums)
+                if KEEP_ROWS:
+                    if REDUCE == 2:
+                        grouped = tl.maximum(grouped, p)
+                    else:
+                        grouped = grouped + p
+        if KEEP_ROWS:
+            if m0 + BLOCK_M > Q - R:
+                if REDUCE == 1:
+                    grouped = grouped / G
+                kept = offs_m - (Q - R)
+                tl.store(rows_ptr + (bh * R + kept[:, None]) * N + offs_n[None, :], grouped,
+                         mask=(kept[:, None] >= 0) & m_ok[:, None] & n_ok[None, :])
+
+    if REDUCE == 2:
+        mass = tl.max(head_sums, 0)  # sums are >= 0, so the zero padding heads never win
+    else:
+        mass = tl.sum(head_sums, 0)
+        if REDUCE == 1:
+            mass = mass / G
+    tl.store(mass_ptr + bh * N + offs_n, mass, mask=n_ok)
+
+
+def attention_with_mass_triton(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    gqa_reduce: str = "sum",
+    score_gain: torch.Tensor | None = None,
+    keep_rows: int = 0,
+    max_chunk_elements: int = 1 << 24,
+) -> AttentionMass:
+    """Triton twin of ``attention_with_mass``; see it for the arguments.
+
+    Shapes: query ``[B, H_q, Q, D]``, key ``[B, H_kv, N, D]``, value ``[B, H_kv, N, D_v]``, query_pos
+    ``[B, Q]``, key_pos ``[B, H_kv, N]``, score_gain ``[B, Q]``. Returns out ``[B, H_q, Q, D_v]``, mass
+    ``[B, H_kv, N]`` and rows ``[B, H_kv, R, N]``. Extra memory is ``O(B * H_q * Q)`` (the LSEs);
+    ``max_chunk_elements`` is accepted for signature parity and unused, since only block tiles are held.
+    """
+    del max_chunk_elements
+    if gqa_reduce not in GQA_REDUCTIONS:
+        raise ValueError(f"gqa_reduce={gqa_reduce!r} is not one of {GQA_REDUCTIONS}")
+    batch, q_heads, q_len, head_dim = query.shape
+    _, kv_heads, n_slots, _ = key.shape
+    v_dim = value.shape[-1]
+    if q_heads % kv_heads:
+        raise ValueError(f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")
+    groups = q_heads // kv_heads
+    n_rows = min(max(keep_rows, 0), q_len)
+    # the kernels index the last dim with stride 1 and the position tensors densely
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    query_pos, key_pos = query_pos.contiguous(), key_pos.contiguous()
+    gain = score_gain.contiguous() if score_gain is not None else query_pos  # never read without a gain
+    device = query.device
+    block = 16 if interpreting() else 64
+    upcast, precision = dot_options(key.dtype)
+
+    f32 = dict(dtype=torch.float32, device=device)
+    out = torch.empty(batch, q_heads, q_len, v_dim, dtype=query.dtype, device=device)
+    lse = torch.empty(2 if score_gain is not None else 1, batch, q_heads, q_len, **f32)
+    mass = torch.empty(batch, kv_heads, n_slots, **f32)
+    rows = torch.empty(batch, kv_heads, n_rows, n_slots, **f32)
+    shared = dict(G=groups, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_size(head_dim),
+                  HAS_SOFTCAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
+                  HAS_GAIN=score_gain is not None, UPCAST=upcast, PRECISION=precision)
+    common = (scaling, softcap or 1.0, sliding_window or 0)
+
+    _forward_kernel[(triton.cdiv(q_len, block), batch * q_heads)](
+        query, key, value, query_pos, key_pos, gain, out, lse[0], lse[-1],
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        value.stride(0), value.stride(1), value.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        q_len, n_slots, head_dim, v_dim, *common,
+        HQ=q_heads, BLOCK_DV=block_size(v_dim), **shared,
+    )
+    _mass_kernel[(triton.cdiv(n_slots, block), batch * kv_heads)](
+        query, key, query_pos, key_pos, gain, lse[-1], mass, rows,
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        q_len, n_slots, head_dim, n_rows, *common,
+        HKV=kv_heads, BLOCK_G=block_size(groups, lo=1), KEEP_ROWS=n_rows > 0,
+        REDUCE=REDUCE_CODES[gqa_reduce], **shared,
+    )
+    return AttentionMass(out, mass, rows)
