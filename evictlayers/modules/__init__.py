@@ -1,9 +1,19 @@
 """What stays in the cache (protections by position, selectors by score) and how it is stored."""
 
+from evictlayers.modules.cluster_sketch import ClusterSketch, SketchState
 from evictlayers.modules.dense_kv import DenseKV, DenseSlots
 from evictlayers.modules.heavy_hitter import HeavyHitterSelector
 from evictlayers.modules.protection import Protection
 from evictlayers.modules.recent_window import RecentWindow
 from evictlayers.modules.sink_tokens import SinkTokens
 
-__all__ = ["DenseKV", "DenseSlots", "HeavyHitterSelector", "Protection", "RecentWindow", "SinkTokens"]
+__all__ = [
+    "ClusterSketch",
+    "DenseKV",
+    "DenseSlots",
+    "HeavyHitterSelector",
+    "Protection",
+    "RecentWindow",
+    "SinkTokens",
+    "SketchState",
+]

@@ -50,6 +50,8 @@ import torch
 from evictlayers.scoring import Component
 
 MODES = ("stream", "kcenter")
+KCENTER_STATE = "kcenter_gap"
+_LONELY = torch.finfo(torch.float32).max  # the gap of a candidate with no other candidate
 _MASK32 = 0xFFFFFFFF
 _GOLDEN32 = 0x9E3779B9  # 2^32 / golden ratio: separates the seed from the layer before hashing
 
@@ -306,7 +308,12 @@ class ClusterSketch(Component):
         state.absorbed.add_(real)
 
     def sketch_terms(
-        self, state: SketchState, query: torch.Tensor, scaling: float, group_size: int = 1
+        self,
+        state: SketchState,
+        query: torch.Tensor,
+        scaling: float,
+        group_size: int = 1,
+        softcap: float | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The sketched sums of QueryStreamAttn (Algorithm 1 lines 28-29), scaled for log-sum-exp merging.
 
@@ -316,6 +323,9 @@ class ClusterSketch(Component):
                 group share their KV head's sketch).
             scaling: logit scale; the sketch's logits are ``scaling * <q, k>`` like the exact slots'.
             group_size: query heads per KV head.
+            softcap: Gemma2-style ``tanh(x / c) * c`` on the scaled logits, as the exact slots apply it:
+                both estimators of Algorithm 1 are sums of ``f(<q, k>)`` over sampled keys, so they stay
+                estimators of the capped sums when ``f`` is the capped exponential.
 
         Returns:
             ``(numerator [B, H_q, D_v], normaliser [B, H_q], log_scale [B, H_q])``, float32, with
@@ -331,14 +341,14 @@ class ClusterSketch(Component):
             )
         q = query.float().view(batch, heads, group_size, head_dim)
         # line 29: log(n_i / t) + scaling <q, k> for every sample of every cluster in use
-        cluster_logits = torch.einsum("bhgd,bhmtd->bhgmt", q, state.cluster_samples.float()) * scaling
+        cluster_logits = _capped(torch.einsum("bhgd,bhmtd->bhgmt", q, state.cluster_samples.float()) * scaling, softcap)
         cluster_log_weight = torch.where(state.active, (state.counts.float() / t).log(), float("-inf"))
         cluster_exps = cluster_logits + cluster_log_weight[:, :, None, :, None]
         # line 28: log(mu / (s ||v||^2)) + scaling <q, k> for every non-null sample of M
         held = state.pair_weights > 0
         pair_log_weight = (state.mu[..., None] / (self.value_samples * state.pair_weights)).log().float()
         pair_log_weight = torch.where(held, pair_log_weight, float("-inf"))
-        pair_logits = torch.einsum("bhgd,bhsd->bhgs", q, state.pair_keys.float()) * scaling
+        pair_logits = _capped(torch.einsum("bhgd,bhsd->bhgs", q, state.pair_keys.float()) * scaling, softcap)
         pair_exps = pair_logits + pair_log_weight[:, :, None]
 
         log_scale = torch.maximum(cluster_exps.flatten(-2).amax(-1), pair_exps.amax(-1))  # [B, H, G]
@@ -366,6 +376,100 @@ class ClusterSketch(Component):
             "overflow": state.overflow.clone(),
             "bytes": sum(x.numel() * x.element_size() for x in state.tensors().values()),
         }
+
+    # ---- k-center mode: a selector (ClusterGen Sec. 4) ------------------------------------------
+    #
+    # Per-slot state ``kcenter_gap`` (float32, moves with its slot like every scorer state). After a
+    # multi-token step it holds the greedy k-center pick rank (``select_centres``), which the policy's
+    # top-budget selection reads; once the kept slots are settled (``settle``) and while decoding
+    # (``update``) it holds each candidate's squared distance to its nearest other candidate. The
+    # policy evicts the lowest score among unprotected slots: the most redundant candidate.
+
+    @property
+    def state_specs(self) -> dict[str, tuple[int, ...]]:
+        """Per-slot state of k-center mode (stream mode keeps none: its sketch is per head)."""
+        return {KCENTER_STATE: ()} if self.mode == "kcenter" else {}
+
+    @property
+    def rows_needed(self) -> int:
+        return 0
+
+    def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> None:
+        return None  # key-fed: never changes the scoring softmax
+
+    def select_centres(self, state: dict[str, torch.Tensor], keys: torch.Tensor, candidates: torch.Tensor, k: int):
+        """Prefill (any multi-token step): greedy k-center (``kcenter_select``) over the candidate slots;
+        the ``j``-th pick of ``k`` scores ``k - j``, other candidates 0. Greedy picks are a prefix-closed
+        sequence, so a row whose share is ``k' < k`` keeps exactly the greedy ``k'``-center picks when
+        the policy keeps its top ``budget`` slots."""
+        batch, heads, n_slots = candidates.shape
+        score = torch.zeros(batch, heads, n_slots + 1, dtype=torch.float32, device=keys.device)
+        if k > 0:
+            picks = kcenter_select(keys, candidates, k)  # [B, H, k], -1 = none left
+            rank = torch.arange(k, 0, -1, dtype=torch.float32, device=keys.device).expand_as(picks)
+            score.scatter_(-1, torch.where(picks >= 0, picks, n_slots), rank)  # -1 lands in the spare column
+        state[KCENTER_STATE] = score[..., :n_slots].contiguous()
+
+    def settle(self, state: dict[str, torch.Tensor], keys: torch.Tensor, candidates: torch.Tensor) -> None:
+        """After a multi-token step, on the kept slots: each candidate's exact squared distance to its
+        nearest other candidate (blocks of rows against all slots, ``[B, H, 256, N]`` at a time)."""
+        x = keys.float()
+        n_slots = x.shape[2]
+        norms = x.square().sum(-1)  # [B, H, N]
+        gap = torch.empty(x.shape[:3], dtype=torch.float32, device=x.device)
+        slot = torch.arange(n_slots, device=x.device)
+        for start in range(0, n_slots, 256):
+            stop = min(n_slots, start + 256)
+            block = norms[:, :, start:stop, None] + norms[:, :, None, :]
+            block = (block - 2 * torch.einsum("bhid,bhjd->bhij", x[:, :, start:stop], x)).clamp(min=0)
+            other = candidates[:, :, None, :] & (slot[start:stop, None] != slot[None, :])
+            gap[:, :, start:stop] = block.masked_fill(~other, _LONELY).amin(-1)
+        state[KCENTER_STATE] = torch.where(candidates, gap, 0.0)
+
+    def update(self, state: dict[str, torch.Tensor], observation, view, candidates: torch.Tensor) -> None:
+        """One decode step, fixed shapes, ``O(N D)`` per head (two rows of distances, no ``N x N``).
+
+        1. The newest candidate (the token that has just left the recent window, or the new token when
+           nothing protects it) gets its exact gap; every other candidate's gap becomes the minimum of
+           its gap and its distance to that token. Re-running this on a candidate already counted (a
+           padding step) changes nothing.
+        2. Evicting a token can only raise the true gaps of the others, so the stored gaps are lower
+           bounds, exact except for tokens whose nearest candidate was evicted. The candidate with the
+           smallest stored gap, the one eviction is about to take, gets its gap recomputed exactly:
+           one lazy refresh per step.
+
+        The policy then evicts the candidate with the smallest gap (ties: the oldest), the one whose
+        removal adds the least to the covering radius of the candidates: greedy k-center run backwards.
+        """
+        keys = observation.keys.float()
+        gap = state[KCENTER_STATE]
+        slot = torch.arange(keys.shape[2], device=keys.device)
+        has = candidates.any(-1)  # [B, H]
+
+        def distances_from(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """Squared distances ``[B, H, N]`` from slot ``index`` ``[B, H]``, and the others mask."""
+            centre = keys.gather(2, index[..., None, None].expand(*index.shape, 1, keys.shape[-1]))
+            return (keys - centre).square().sum(-1), candidates & (slot != index[..., None])
+
+        newest = view.pos.masked_fill(~candidates, -1).argmax(-1)  # [B, H]
+        dist, others = distances_from(newest)
+        own = dist.masked_fill(~others, _LONELY).amin(-1)
+        updated = torch.where(others, torch.minimum(gap, dist), gap)
+        updated = torch.where(has[..., None] & (slot == newest[..., None]), own[..., None], updated)
+
+        lowest = updated.masked_fill(~candidates, float("inf")).argmin(-1)
+        dist, others = distances_from(lowest)
+        own = dist.masked_fill(~others, _LONELY).amin(-1)
+        updated = torch.where(has[..., None] & (slot == lowest[..., None]), own[..., None], updated)
+        gap.copy_(torch.where(candidates, updated, 0.0))
+
+    def score(self, state: dict[str, torch.Tensor], view) -> torch.Tensor:
+        """``[B, H, N]``: higher is kept longer (pick rank after a prefill selection, gap while decoding)."""
+        return state[KCENTER_STATE]
+
+
+def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    return logits if softcap is None else torch.tanh(logits / softcap) * softcap
 
 
 def merge_with_exact(
