@@ -4,8 +4,9 @@ the paper (one head, one token at a time, Python lists), and plain greedy k-cent
 The coins are the module's documented counter-based hash re-implemented on Python ints, so a head of
 the batched module and ``ReferenceStream`` flip the same coins in the same order: coin ``j`` of the
 ``n``-th token a head absorbs. Algorithm 1 is followed literally, including line 19's separate
-"t copies" branch; the one addition is the module's documented capacity rule (a key that finds all
-``max_clusters`` in use joins its nearest cluster), without which the two could not agree.
+"t copies" branch; the additions are the module's documented capacity rule (a key that finds all
+``max_clusters`` in use joins its nearest cluster) and its tie rule (distances within a relative
+``TIE`` of the best count as equal, the lowest index wins), without which the two could not agree.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import math
 import torch
 
 MASK32 = 0xFFFFFFFF
+TIE = 1e-4  # the module's documented TIE_TOLERANCE: distances this close (relative) count as equal
 GOLDEN32 = 0x9E3779B9
 
 
@@ -65,10 +67,11 @@ class ReferenceStream:
     def update_softmax_normalizer(self, k: torch.Tensor, coins: list[float]) -> None:
         """Lines 11-21."""
         best = None
-        for i, (x, _, _) in enumerate(self.clusters):  # line 11: argmin, first on ties
-            d = sq_dist(x, k)
-            if best is None or d < best[1]:
-                best = (i, d)
+        if self.clusters:  # line 11: argmin, the first within TIE of the minimum on (near-)ties
+            dists = [sq_dist(x, k) for x, _, _ in self.clusters]
+            lowest = min(dists)
+            i = next(i for i, d in enumerate(dists) if d <= lowest * (1 + TIE))
+            best = (i, dists[i])
         if best is not None and (best[1] <= self.radius**2 or len(self.clusters) == self.max_clusters):
             if best[1] > self.radius**2:
                 self.overflow += 1  # capacity rule: join the nearest although farther than delta
@@ -111,12 +114,18 @@ def reference_kcenter(keys: torch.Tensor, candidates: torch.Tensor, k: int) -> l
     if not pool:
         return [-1] * k
     mean = keys[pool].float().mean(0)
-    picks = [max(pool, key=lambda i: (sq_dist(keys[i], mean), -i))]
+
+    def farthest(rest: list[int], score) -> int:
+        """The first (lowest index) within TIE of the largest score."""
+        scores = {i: score(i) for i in rest}
+        top = max(scores.values())
+        return min(i for i in rest if scores[i] >= top * (1 - TIE))
+
+    picks = [farthest(pool, lambda i: sq_dist(keys[i], mean))]
     while len(picks) < k:
         rest = [i for i in pool if i not in picks]
         if not rest:
             picks.append(-1)
             continue
-        far = max(rest, key=lambda i: (min(sq_dist(keys[i], keys[c]) for c in picks if c >= 0), -i))
-        picks.append(far)
+        picks.append(farthest(rest, lambda i: min(sq_dist(keys[i], keys[c]) for c in picks if c >= 0)))
     return picks

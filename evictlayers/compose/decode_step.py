@@ -134,7 +134,11 @@ def choose_victims(
     age_key = pos.masked_fill(~valid, _OLDEST_LAST)
     if most == 1:
         lowest = priority.amin(-1, keepdim=True)
-        victims = torch.where(priority == lowest, age_key, _OLDEST_LAST).argmin(-1, keepdim=True)  # [B, H, 1]
+        # a selector whose scores tie exactly in real arithmetic (k-center distances under RoPE) counts
+        # scores within its relative tolerance as tied, so float noise cannot pick a different victim
+        tolerance = policy.tie_tolerance
+        tied = priority == lowest if not tolerance else priority <= lowest + lowest.abs() * tolerance
+        victims = torch.where(tied, age_key, _OLDEST_LAST).argmin(-1, keepdim=True)  # [B, H, 1]
         chosen = over[..., None]
     else:
         by_age = age_key.argsort(-1)

@@ -11,6 +11,7 @@ from torch import nn
 from evictlayers.compose.allocation import Allocation, Uniform
 from evictlayers.kernels import GQA_REDUCTIONS
 from evictlayers.modules import ClusterSketch, DenseKV, HeavyHitterSelector, Protection, RecentWindow
+from evictlayers.modules.cluster_sketch import TIE_TOLERANCE
 from evictlayers.scoring import Component, Observation, SlotView
 
 SELECTORS = (HeavyHitterSelector,)  # ClusterSketch(mode="kcenter") is one too
@@ -281,6 +282,12 @@ class Policy(nn.Module):
     def kcenter(self) -> ClusterSketch | None:
         """The selector when it is ``ClusterSketch(mode="kcenter")`` (it reads keys, not attention)."""
         return self.selector if isinstance(self.selector, ClusterSketch) else None
+
+    @property
+    def tie_tolerance(self) -> float:
+        """Relative gap under which two priorities count as tied (the oldest slot goes first): 0 (exact)
+        except for k-center, whose distances tie exactly in real arithmetic (``TIE_TOLERANCE``)."""
+        return TIE_TOLERANCE if self.kcenter is not None else 0.0
 
     def observe(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
         """Let the scorers fold this step's attention (and, for k-center, the keys) into their state."""

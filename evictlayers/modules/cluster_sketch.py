@@ -39,6 +39,12 @@ Deviations from the paper, each for the fixed shapes a compiled decode step need
    estimator is unchanged in distribution.
 3. Logits. The paper writes ``exp(<q, k>)``; the model's logits are ``scaling * <q, k>``, so the
    sketch uses those and Theorem 2.4's ``r`` is ``scaling * ||q||``.
+4. Ties. Distances that differ by less than a relative ``TIE_TOLERANCE`` (1e-4) count as equal and go
+   to the lowest index (the nearest cluster of line 11, the farthest candidate of greedy k-center).
+   Exact ties are common in real keys: RoPE rotates a token's key by its position, so the distance
+   between two keys of the same token depends only on their offset, and a repeated token is
+   equidistant from copies before and after it. Under float noise (eager vs compiled, a row alone vs
+   in a batch) an exact ``argmin`` would break such ties differently and the sketches would diverge.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import torch
 from evictlayers.scoring import Component
 
 MODES = ("stream", "kcenter")
+TIE_TOLERANCE = 1e-4  # relative: distances this close count as equal (deviation 4)
 KCENTER_STATE = "kcenter_gap"
 _LONELY = torch.finfo(torch.float32).max  # the gap of a candidate with no other candidate
 _MASK32 = 0xFFFFFFFF
@@ -273,7 +280,7 @@ class ClusterSketch(Component):
         # UpdateSoftmaxNormalizer (lines 11-21): nearest representative, within delta or a new cluster.
         dist2 = (state.representatives.float() - key.float()[:, :, None]).square().sum(-1)
         dist2 = dist2.masked_fill(~state.active, float("inf"))  # [B, H, M]
-        nearest = dist2.argmin(-1)
+        nearest = first_near_min(dist2)  # deviation 4: near-ties go to the lowest index
         within = dist2.gather(-1, nearest[..., None]).squeeze(-1) <= self.radius**2
         full = state.active.all(-1)
         opens = real & ~within & ~full
@@ -457,7 +464,11 @@ class ClusterSketch(Component):
         updated = torch.where(others, torch.minimum(gap, dist), gap)
         updated = torch.where(has[..., None] & (slot == newest[..., None]), own[..., None], updated)
 
-        lowest = updated.masked_fill(~candidates, float("inf")).argmin(-1)
+        # the candidate eviction would take: the oldest among the (near-)smallest gaps
+        smallest = updated.masked_fill(~candidates, float("inf"))
+        floor = smallest.amin(-1, keepdim=True)
+        tied = candidates & (smallest <= floor + floor.abs() * TIE_TOLERANCE)
+        lowest = view.pos.masked_fill(~tied, torch.iinfo(torch.long).max).argmin(-1)
         dist, others = distances_from(lowest)
         own = dist.masked_fill(~others, _LONELY).amin(-1)
         updated = torch.where(has[..., None] & (slot == lowest[..., None]), own[..., None], updated)
@@ -466,6 +477,21 @@ class ClusterSketch(Component):
     def score(self, state: dict[str, torch.Tensor], view) -> torch.Tensor:
         """``[B, H, N]``: higher is kept longer (pick rank after a prefill selection, gap while decoding)."""
         return state[KCENTER_STATE]
+
+
+def first_near_min(values: torch.Tensor, tolerance: float = TIE_TOLERANCE) -> torch.Tensor:
+    """Index (last dim) of the first entry within a relative ``tolerance`` of the minimum; ``values``
+    are non-negative or ``+inf`` (all ``+inf`` gives 0)."""
+    lowest = values.amin(-1, keepdim=True)
+    return (values <= lowest * (1 + tolerance)).int().argmax(-1)
+
+
+def first_near_max(values: torch.Tensor, tolerance: float = TIE_TOLERANCE) -> torch.Tensor:
+    """Index (last dim) of the first entry within a relative ``tolerance`` of the maximum; ``values``
+    are non-negative or ``-inf`` (all ``-inf`` gives 0)."""
+    highest = values.amax(-1, keepdim=True)
+    floor = torch.where(torch.isfinite(highest), highest * (1 - tolerance), highest)
+    return (values >= floor).int().argmax(-1)
 
 
 def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
@@ -518,8 +544,8 @@ def kcenter_select(keys: torch.Tensor, candidates: torch.Tensor, k: int) -> torc
         ``[B, H, k]`` int64 slot indices in the order picked; ``-1`` once a head has no candidate left.
 
     Start (deterministic and independent of slot order): the candidate farthest from the candidates'
-    mean. Each further pick is the candidate farthest from its nearest pick so far; ties go to the
-    lowest slot index. ``k`` rounds of ``[B, H, N]`` distances: no ``N x N`` matrix, fixed shapes.
+    mean. Each further pick is the candidate farthest from its nearest pick so far; ties, up to a
+    relative ``TIE_TOLERANCE`` (deviation 4 of the module), go to the lowest slot index. ``k`` rounds of ``[B, H, N]`` distances: no ``N x N`` matrix, fixed shapes.
     The 2-approximation of the k-center radius holds from any start.
     """
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
@@ -539,7 +565,7 @@ def kcenter_select(keys: torch.Tensor, candidates: torch.Tensor, k: int) -> torc
     picks = []
     for step in range(k):
         score = (gap if step == 0 else nearest).masked_fill(~candidates | chosen, float("-inf"))
-        pick = score.argmax(-1)  # first maximum: lowest index on ties
+        pick = first_near_max(score)  # lowest index among the (near-)maxima
         found = score.gather(-1, pick[..., None]).squeeze(-1) > float("-inf")
         picks.append(torch.where(found, pick, -1))
         chosen.scatter_(-1, pick[..., None], chosen.gather(-1, pick[..., None]) | found[..., None])
