@@ -56,6 +56,7 @@ import torch
 from evictlayers.scoring import Component
 
 MODES = ("stream", "kcenter")
+KCENTER_REFRESHES = 4  # exact gap recomputations per decode step (k-center mode; update's docstring)
 TIE_TOLERANCE = 1e-4  # relative: distances this close count as equal (deviation 4)
 KCENTER_STATE = "kcenter_gap"
 _LONELY = torch.finfo(torch.float32).max  # the gap of a candidate with no other candidate
@@ -434,19 +435,31 @@ class ClusterSketch(Component):
         state[KCENTER_STATE] = torch.where(candidates, gap, 0.0)
 
     def update(self, state: dict[str, torch.Tensor], observation, view, candidates: torch.Tensor) -> None:
-        """One decode step, fixed shapes, ``O(N D)`` per head (two rows of distances, no ``N x N``).
+        """One decode step of k-center mode: fixed shapes, ``1 + KCENTER_REFRESHES`` rows of ``[B, H, N]``
+        distances per head (no ``N x N`` matrix, no ``k`` sequential passes).
+
+        The rule. Sec. 4 runs greedy k-center once, over the prompt's keys outside the recent window.
+        Re-running it at every step would cost ``k`` sequential farthest-point passes (``k`` unrolled
+        iterations in a compiled graph). Instead, when a head is over budget, the policy evicts the
+        candidate (unprotected) slot whose nearest other candidate is closest: the most redundant key.
+        Dropping that key leaves it within its gap of a kept one, so among single removals it adds the
+        least to the covering radius of the candidates, the k-center objective; it is greedy k-center
+        run backwards (a farthest-point traversal picks last the points closest to those already
+        picked). The prefill keeps exactly greedy k-center's picks; afterwards, each step drops one key
+        by this rule, which is not necessarily the set a fresh greedy run over all older keys would keep.
+
+        The state ``kcenter_gap`` is each candidate's squared distance to its nearest other candidate.
 
         1. The newest candidate (the token that has just left the recent window, or the new token when
            nothing protects it) gets its exact gap; every other candidate's gap becomes the minimum of
            its gap and its distance to that token. Re-running this on a candidate already counted (a
            padding step) changes nothing.
-        2. Evicting a token can only raise the true gaps of the others, so the stored gaps are lower
-           bounds, exact except for tokens whose nearest candidate was evicted. The candidate with the
-           smallest stored gap, the one eviction is about to take, gets its gap recomputed exactly:
-           one lazy refresh per step.
-
-        The policy then evicts the candidate with the smallest gap (ties: the oldest), the one whose
-        removal adds the least to the covering radius of the candidates: greedy k-center run backwards.
+        2. Evicting a token can only raise the others' true gaps, so stored gaps are lower bounds,
+           exact except for candidates whose nearest candidate was evicted. ``KCENTER_REFRESHES`` times,
+           the candidate eviction would take (the oldest among the near-smallest stored gaps) gets its
+           gap recomputed exactly (a lazy priority queue of fixed depth). The victim is then the
+           candidate with the exactly smallest gap unless more stale gaps than that lie below it
+           (tests/test_cluster_policy.py measures how often on random keys).
         """
         keys = observation.keys.float()
         gap = state[KCENTER_STATE]
@@ -464,14 +477,15 @@ class ClusterSketch(Component):
         updated = torch.where(others, torch.minimum(gap, dist), gap)
         updated = torch.where(has[..., None] & (slot == newest[..., None]), own[..., None], updated)
 
-        # the candidate eviction would take: the oldest among the (near-)smallest gaps
-        smallest = updated.masked_fill(~candidates, float("inf"))
-        floor = smallest.amin(-1, keepdim=True)
-        tied = candidates & (smallest <= floor + floor.abs() * TIE_TOLERANCE)
-        lowest = view.pos.masked_fill(~tied, torch.iinfo(torch.long).max).argmin(-1)
-        dist, others = distances_from(lowest)
-        own = dist.masked_fill(~others, _LONELY).amin(-1)
-        updated = torch.where(has[..., None] & (slot == lowest[..., None]), own[..., None], updated)
+        for _ in range(KCENTER_REFRESHES):
+            # the candidate eviction would take: the oldest among the (near-)smallest gaps
+            smallest = updated.masked_fill(~candidates, float("inf"))
+            floor = smallest.amin(-1, keepdim=True)
+            tied = candidates & (smallest <= floor + floor.abs() * TIE_TOLERANCE)
+            lowest = view.pos.masked_fill(~tied, torch.iinfo(torch.long).max).argmin(-1)
+            dist, others = distances_from(lowest)
+            own = dist.masked_fill(~others, _LONELY).amin(-1)
+            updated = torch.where(has[..., None] & (slot == lowest[..., None]), own[..., None], updated)
         gap.copy_(torch.where(candidates, updated, 0.0))
 
     def score(self, state: dict[str, torch.Tensor], view) -> torch.Tensor:
