@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from evictlayers.compose.policy import Policy
-from evictlayers.modules.cluster_sketch import SketchState, merge_with_exact
+from evictlayers.modules.cluster_sketch import CoinTable, SketchState, merge_with_exact
 from evictlayers.modules.dense_kv import batch_head_index
 from evictlayers.kernels import decode_attention_with_mass as decode_attention
 from evictlayers.scoring import Observation, SlotView
@@ -46,6 +46,7 @@ def decode_step(
     softcap: float | None,
     sliding_window: int | None,
     sketch: SketchState | None = None,
+    coins: CoinTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Insert one token per row, attend, score and evict, writing ``kv``/``pos``/``state`` in place.
 
@@ -61,6 +62,7 @@ def decode_step(
             the tokens evicted so far (``merge_with_exact``: one log-sum-exp-safe division), and this
             step's victims are absorbed before their slots are freed. The scorers see the exact slots'
             mass only: evicted tokens have no slot to credit it to.
+        coins: the sketch's ``CoinTable`` covering this step's absorptions (``None``: hash them here).
 
     Returns:
         ``([B, H_q, 1, D_v]`` attention output, ``[B]`` new ``seen``).
@@ -105,7 +107,7 @@ def decode_step(
             # the victims' keys/values are still in their slots: absorb them before the slots are freed
             policy.sketch.absorb(
                 sketch, keys.gather(2, along_slots(victims, keys)), values.gather(2, along_slots(victims, values)),
-                chosen,
+                chosen, coins,
             )
         pos.scatter_(2, victims, torch.where(chosen, -1, pos.gather(2, victims)))
     return out[:, :, None], seen

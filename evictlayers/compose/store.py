@@ -13,7 +13,9 @@ import torch
 from evictlayers.compose.decode_step import along_slots, compiled_decode_step, decode_step
 from evictlayers.compose.policy import Policy
 from evictlayers.kernels import attention_with_mass
-from evictlayers.modules.cluster_sketch import SketchState, merge_with_exact
+from evictlayers.modules.cluster_sketch import CoinTable, SketchState, merge_with_exact
+
+COIN_TABLE_TOKENS = 16  # a decode step's sketch coins are hashed ahead for this many absorbed tokens per head
 from evictlayers.scoring import Observation, SlotView
 
 _LAST = torch.iinfo(torch.long).max
@@ -39,6 +41,8 @@ class SlotStore:
         self.seq_len = 0  # columns fed so far, padding included (what transformers calls tokens seen)
         # ClusterSketch (stream mode): the evicted tokens of every (row, KV head), fixed-size buffers
         self.sketch: SketchState | None = None
+        self._coins: CoinTable | None = None  # the sketch's coins for the next decode steps
+        self._coin_room = 0  # decode steps the coin table still covers
 
     # ---- sizes ---------------------------------------------------------------------------------
 
@@ -73,7 +77,8 @@ class SlotStore:
     def sketch_stats(self) -> dict[str, int]:
         """What the layer's ClusterSketch holds: ``clusters``, ``samples`` (key samples of the clusters
         in use plus held value samples) and ``absorbed`` tokens, each the most of any (row, head), and
-        ``bytes``, the size of its buffers (fixed at allocation). All 0 without a sketch."""
+        ``bytes``, the size of its buffers (fixed at allocation) and of its coin table (fixed once
+        decoding starts). All 0 without a sketch."""
         if self.sketch is None:
             return {"clusters": 0, "samples": 0, "absorbed": 0, "bytes": 0}
         stats = self.policy.sketch.stats(self.sketch)
@@ -81,7 +86,7 @@ class SlotStore:
             "clusters": int(stats["clusters_in_use"].max()),
             "samples": int((stats["key_samples_held"] + stats["value_samples_held"]).max()),
             "absorbed": int(stats["absorbed"].max()),
-            "bytes": int(stats["bytes"]),
+            "bytes": int(stats["bytes"]) + (self._coins.nbytes() if self._coins is not None else 0),
         }
 
     # ---- one step ------------------------------------------------------------------------------
@@ -163,7 +168,7 @@ class SlotStore:
         try:
             out, self.seen = step(
                 self.policy, self.most, self.kv, self.pos, self.state, self.seen, self.budget,
-                query, key, value, real, **attention_kwargs, sketch=self.sketch,
+                query, key, value, real, **attention_kwargs, sketch=self.sketch, coins=self._step_coins(),
             )
         except torch._dynamo.exc.TorchDynamoException as error:
             raise CompileError(
@@ -188,6 +193,23 @@ class SlotStore:
         # a 0-d tensor, not an int: torch.compile would specialise on each layer's int and recompile
         self.sketch.salt = torch.tensor(self.sketch.salt, dtype=torch.int64, device=key.device)
 
+    def _step_coins(self) -> CoinTable | None:
+        """The coin table of the next decode step: a step absorbs at most ``most`` tokens per head, so a
+        table of ``max(16, most)`` tokens is remade (eagerly, outside any compiled graph, from device
+        counters: no host sync) once the steps since the last one could have used it up."""
+        if self.sketch is None:
+            return None
+        if self._coins is None or self._coin_room < self.most:
+            width = max(COIN_TABLE_TOKENS, self.most)
+            self._coins = self.policy.sketch.coin_table(self.sketch, width)
+            self._coin_room = width
+        self._coin_room -= self.most
+        return self._coins
+
+    def invalidate_coins(self) -> None:
+        """Drop the coin table (the sketch was changed outside a decode step: prefill, beam reorder)."""
+        self._coins, self._coin_room = None, 0
+
     def _merge_sketch(self, query, out, lse, query_pos, *, scaling: float, softcap: float | None) -> torch.Tensor:
         """``out`` ``[B, H_q, Q, D_v]`` of a multi-token step merged with the sketch (every absorbed token
         precedes every query of the step, so all of them see all of it); padding queries stay zero."""
@@ -205,6 +227,7 @@ class SlotStore:
         count = int(dropped.sum(-1).max())
         if count == 0:
             return
+        self.invalidate_coins()
         order = pos.masked_fill(~dropped, _LAST).argsort(-1)[..., :count]  # [B, H, count]
         self.policy.sketch.absorb(
             self.sketch,

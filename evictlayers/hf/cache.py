@@ -90,6 +90,7 @@ class EvictionLayer(CacheLayerMixin):
         if store.sketch is not None:  # the ClusterSketch of each row's evicted tokens follows its row
             for name, tensor in store.sketch.tensors().items():
                 setattr(store.sketch, name, tensor.index_select(0, index))
+            store.invalidate_coins()
 
     def reset(self) -> None:
         """Forget everything, the ClusterSketch included: the next step starts a new one."""

@@ -89,23 +89,51 @@ def _salt(seed: int, layer: int) -> int:
     return int(x)
 
 
-def sketch_uniforms(salt: int, counter: torch.Tensor, coins: int) -> torch.Tensor:
+def sketch_uniforms(salt: int | torch.Tensor, counter: torch.Tensor, coins: int) -> torch.Tensor:
     """``[B, H, coins]`` float64 uniforms in ``[0, 1)`` for the next absorbed token of every head.
 
     Args:
-        salt: ``SketchState.salt`` (seed and layer).
-        counter: ``[B, H]`` int64, tokens each head has absorbed so far (the index of the next one).
+        salt: ``SketchState.salt`` (seed and layer), an int or a 0-d int64 tensor.
+        counter: ``[B, H]`` int64, tokens each head has absorbed so far (the index of the next one);
+            ``[B, H, W]`` gives the coins of ``W`` tokens per head, ``[B, H, W, coins]``.
         coins: draws per token (``t + s``).
 
     Coin ``j`` of the ``n``-th token of head ``h`` is ``hash(hash(hash(salt ^ h) ^ n) ^ j) / 2**32``;
     each stage is a bijection, so distinct ``(h, n, j)`` never share a word.
     """
     heads = torch.arange(counter.shape[1], device=counter.device, dtype=torch.int64)
-    x = _hash32(heads ^ salt)[None, :]  # [1, H]
-    x = _hash32(x ^ (counter & _MASK32))  # [B, H]
+    x = _hash32(heads ^ salt).view(1, -1, *([1] * (counter.dim() - 2)))  # [1, H, 1...]
+    x = _hash32(x ^ (counter & _MASK32))  # [B, H, ...]
     j = torch.arange(coins, device=counter.device, dtype=torch.int64)
-    x = _hash32(x[..., None] ^ j)  # [B, H, coins]
+    x = _hash32(x[..., None] ^ j)  # [B, H, ..., coins]
     return x.double() / 2.0**32
+
+
+@dataclass
+class CoinTable:
+    """The coins of the next ``W`` tokens each head will absorb, computed ahead (``ClusterSketch.coin_table``).
+
+    ``absorb(..., coins=table)`` reads its coins here instead of hashing: the same numbers, but a compiled
+    decode step then holds a gather instead of the 32-bit integer hash, whose vectorised int64 code made
+    inductor's C++ compile ~3x slower, and eager decoding hashes once per ``W`` tokens, not per token.
+
+    Attributes:
+        uniforms: ``[B, H, W, t + s]`` float64, ``sketch_uniforms`` of counters ``base .. base + W - 1``.
+        base: ``[B, H]`` int64, each head's ``SketchState.absorbed`` when the table was made.
+    """
+
+    uniforms: torch.Tensor
+    base: torch.Tensor
+
+    def draw(self, counter: torch.Tensor) -> torch.Tensor:
+        """``[B, H, t + s]``: the coins of token ``counter`` ``[B, H]`` of every head; the caller keeps
+        ``base <= counter < base + W`` (the slot store makes a new table before a step could overrun)."""
+        width, coins = self.uniforms.shape[2:]
+        index = (counter - self.base).clamp(0, width - 1)
+        return self.uniforms.gather(2, index[..., None, None].expand(*index.shape, 1, coins)).squeeze(2)
+
+    def nbytes(self) -> int:
+        return self.uniforms.nbytes + self.base.nbytes
 
 
 @dataclass
@@ -241,7 +269,20 @@ class ClusterSketch(Component):
             salt=_salt(self.seed, layer),
         )
 
-    def absorb(self, state: SketchState, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> None:
+    def coin_table(self, state: SketchState, width: int) -> CoinTable:
+        """The coins of the next ``width`` tokens every head of ``state`` absorbs (see ``CoinTable``)."""
+        counters = state.absorbed[..., None] + torch.arange(width, device=state.absorbed.device)
+        uniforms = sketch_uniforms(state.salt, counters, self.samples_per_cluster + self.value_samples)
+        return CoinTable(uniforms=uniforms, base=state.absorbed.clone())
+
+    def absorb(
+        self,
+        state: SketchState,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        mask: torch.Tensor,
+        coins: CoinTable | None = None,
+    ) -> None:
         """Feed evicted tokens to the sketch, in order, in place (Algorithm 1 lines 4-6).
 
         Args:
@@ -250,6 +291,7 @@ class ClusterSketch(Component):
             values: ``[B, H, K, D_v]`` their values.
             mask: ``[B, H, K]`` bool, ``False`` = not a token (nothing evicted there, padding): skipped,
                 and it consumes no coins.
+            coins: a ``CoinTable`` covering the counters this call reaches, or ``None`` to hash them.
 
         Every op has a fixed shape and there is no host synchronisation, so this traces into a
         compiled decode step; the loop over ``K`` unrolls (``K`` is 1 while decoding).
@@ -268,15 +310,20 @@ class ClusterSketch(Component):
         if mask.dtype != torch.bool:
             raise ValueError(f"absorb: mask must be bool, got {mask.dtype}")
         for i in range(count):
-            self._absorb_one(state, keys[:, :, i], values[:, :, i], mask[:, :, i])
+            self._absorb_one(state, keys[:, :, i], values[:, :, i], mask[:, :, i], coins)
 
-    def _absorb_one(self, state: SketchState, key: torch.Tensor, value: torch.Tensor, real: torch.Tensor) -> None:
+    def _absorb_one(
+        self, state: SketchState, key: torch.Tensor, value: torch.Tensor, real: torch.Tensor, table: CoinTable | None
+    ) -> None:
         """One token per head: ``key [B, H, D]``, ``value [B, H, D_v]``, ``real [B, H]``."""
         t, s = self.samples_per_cluster, self.value_samples
         batch, heads, _, head_dim = state.representatives.shape
         # scatter_ needs the buffers' dtype; ||v||^2 is then that of the value as the sketch holds it
         key, value = key.to(state.representatives.dtype), value.to(state.pair_values.dtype)
-        coins = sketch_uniforms(state.salt, state.absorbed, t + s)  # [B, H, t + s]
+        if table is None:
+            coins = sketch_uniforms(state.salt, state.absorbed, t + s)  # [B, H, t + s]
+        else:
+            coins = table.draw(state.absorbed)
 
         # UpdateSoftmaxNormalizer (lines 11-21): nearest representative, within delta or a new cluster.
         dist2 = (state.representatives.float() - key.float()[:, :, None]).square().sum(-1)
