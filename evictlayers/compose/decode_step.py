@@ -6,6 +6,8 @@ Algorithm 1 lines 12-13) or a fixed-``k`` sort (Scissorhands' drop amount ``m``)
 budget simply writes its victims' positions back unchanged. No ``nonzero``, ``.item()``, ``int(tensor)``
 or ``bool(tensor)``: the step runs eagerly as it is, and ``torch.compile(fullgraph=True)`` turns it into
 one graph that does not recompile as the sequence grows (gpt-fast style: buffers written in place).
+A stream-mode ``ClusterSketch`` adds fixed-size buffers: the output merges the exact slots with the
+sketch through the exact part's log-sum-exp, and the victims are absorbed before their slots are freed.
 """
 
 from __future__ import annotations

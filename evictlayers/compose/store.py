@@ -223,18 +223,25 @@ class SlotStore:
 
     def _absorb_dropped(self, keys, values, pos, dropped: torch.Tensor) -> None:
         """Feed the slots ``dropped`` ``[B, H, N]`` to the sketch in position order (the stream order of
-        Algorithm 1); one masked pass per token of the head that drops the most."""
+        Algorithm 1); one masked pass per token of the head that drops the most (Algorithm 1 is
+        sequential: each token's cluster depends on the clusters before it)."""
         count = int(dropped.sum(-1).max())
         if count == 0:
             return
         self.invalidate_coins()
         order = pos.masked_fill(~dropped, _LAST).argsort(-1)[..., :count]  # [B, H, count]
-        self.policy.sketch.absorb(
-            self.sketch,
-            keys.gather(2, along_slots(order, keys)),
-            values.gather(2, along_slots(order, values)),
-            dropped.gather(2, order),
-        )
+        sketch = self.policy.sketch
+        for start in range(0, count, 1024):
+            block = order[..., start : start + 1024]
+            # the block's coins hashed at once (a head absorbs at most the block's width of tokens)
+            coins = sketch.coin_table(self.sketch, block.shape[-1])
+            sketch.absorb(
+                self.sketch,
+                keys.gather(2, along_slots(block, keys)),
+                values.gather(2, along_slots(block, values)),
+                dropped.gather(2, block),
+                coins,
+            )
 
     # ---- slot bookkeeping ----------------------------------------------------------------------
 
