@@ -3,11 +3,12 @@
 from evictlayers import models
 from evictlayers.compose import Policy, Pyramid, Ramp, RecipeError, SlotStore, Uniform, dump_recipe, load_recipe
 from evictlayers.hf import EvictionCache, UnsupportedModelError, apply
-from evictlayers.modules import DenseKV, HeavyHitterSelector, QuantizedKV, RecentWindow, SinkTokens
+from evictlayers.modules import ClusterSketch, DenseKV, HeavyHitterSelector, QuantizedKV, RecentWindow, SinkTokens
 from evictlayers.scoring import Averaged, Cumulative, LowScoreCounter, StepGainSoftmax, ValuePrior, Windowed
 
 __all__ = [
     "Averaged",
+    "ClusterSketch",
     "Cumulative",
     "DenseKV",
     "EvictionCache",

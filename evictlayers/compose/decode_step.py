@@ -6,6 +6,8 @@ Algorithm 1 lines 12-13) or a fixed-``k`` sort (Scissorhands' drop amount ``m``)
 budget simply writes its victims' positions back unchanged. No ``nonzero``, ``.item()``, ``int(tensor)``
 or ``bool(tensor)``: the step runs eagerly as it is, and ``torch.compile(fullgraph=True)`` turns it into
 one graph that does not recompile as the sequence grows (gpt-fast style: buffers written in place).
+A stream-mode ``ClusterSketch`` adds fixed-size buffers: the output merges the exact slots with the
+sketch through the exact part's log-sum-exp, and the victims are absorbed before their slots are freed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Callable
 import torch
 
 from evictlayers.compose.policy import Policy
+from evictlayers.modules.cluster_sketch import CoinTable, SketchState, merge_with_exact
 from evictlayers.modules.dense_kv import batch_head_index
 from evictlayers.kernels.dispatch import decode_attention
 from evictlayers.scoring import Observation, SlotView
@@ -44,6 +47,8 @@ def decode_step(
     scaling: float,
     softcap: float | None,
     sliding_window: int | None,
+    sketch: SketchState | None = None,
+    coins: CoinTable | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Insert one token per row, attend, score and evict, writing ``kv``/``pos``/``state`` in place.
 
@@ -54,6 +59,12 @@ def decode_step(
         pos: ``[B, H_kv, C]`` int64 original positions, ``-1`` = free. ``state``: ``[B, H_kv, C, ...]``.
         seen: ``[B]`` real tokens so far; budget: ``[B]`` per-head budget, ``None`` = never evict.
         query: ``[B, H_q, 1, D]``; key/value: ``[B, H_kv, 1, D]``; real: ``[B, 1]`` bool.
+        sketch: the layer's ``ClusterSketch`` buffers (stream mode; ``salt`` a 0-d tensor, so layers
+            share one graph), or ``None``. The output is then the exact slots merged with the sketch of
+            the tokens evicted so far (``merge_with_exact``: one log-sum-exp-safe division), and this
+            step's victims are absorbed before their slots are freed. The scorers see the exact slots'
+            mass only: evicted tokens have no slot to credit it to.
+        coins: the sketch's ``CoinTable`` covering this step's absorptions (``None``: hash them here).
 
     Returns:
         ``([B, H_q, 1, D_v]`` attention output, ``[B]`` new ``seen``).
@@ -76,6 +87,12 @@ def decode_step(
         scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=policy.gqa_reduce,
         score_gain=None if gain is None else gain[:, 0],
     )
+    out = attention.out
+    group_size = query.shape[1] // heads
+    if sketch is not None:
+        terms = policy.sketch.sketch_terms(sketch, query[:, :, 0], scaling, group_size, softcap=softcap)
+        merged = merge_with_exact(out, attention.lse, *terms)
+        out = torch.where((query_pos >= 0)[:, None, None], merged, torch.zeros_like(merged))
     seen = seen + real[:, 0].long()
     view = SlotView(pos=pos, seen=seen, budget=budget)
     rows = attention.mass[:, :, None]  # [B, H, 1, N]: the one query row is the step's whole mass
@@ -83,18 +100,30 @@ def decode_step(
         rows = rows[:, :, :0]
     observation = Observation(
         mass=attention.mass, rows=rows, row_pos=query_pos[:, None], values=values,
-        group_size=query.shape[1] // heads, gqa_reduce=policy.gqa_reduce,
+        group_size=group_size, gqa_reduce=policy.gqa_reduce, keys=keys,
     )
     policy.observe(state, observation, view)
     if budget is not None:
-        evict_over_budget(policy, most, pos, state, view)
-    return attention.out[:, :, None], seen
+        victims, chosen = choose_victims(policy, most, pos, state, view)
+        if sketch is not None:
+            # the victims' keys/values are still in their slots: absorb them before the slots are freed
+            policy.sketch.absorb(
+                sketch, keys.gather(2, along_slots(victims, keys)), values.gather(2, along_slots(victims, values)),
+                chosen, coins,
+            )
+        pos.scatter_(2, victims, torch.where(chosen, -1, pos.gather(2, victims)))
+    return out[:, :, None], seen
 
 
-def evict_over_budget(policy: Policy, most: int, pos: torch.Tensor, state: dict[str, torch.Tensor], view: SlotView):
-    """Heads over budget free their ``drop`` lowest-priority slots (H2O Algorithm 1 lines 12-13 with
+def choose_victims(
+    policy: Policy, most: int, pos: torch.Tensor, state: dict[str, torch.Tensor], view: SlotView
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(victims [B, H, most]`` slot indices, ``chosen [B, H, most]`` bool: really evicted``)``.
+
+    Heads over budget give up their ``drop`` lowest-priority slots (H2O Algorithm 1 lines 12-13 with
     ``drop = 1``; Scissorhands Algorithm 2 with drop amount ``m``). Equal priorities go oldest first: when
-    the drop amount exceeds the unprotected slots, protected ones (all ``+inf``) leave in age order."""
+    the drop amount exceeds the unprotected slots, protected ones (all ``+inf``) leave in age order. A
+    head under budget has nothing chosen (its victims' positions are written back unchanged)."""
     valid = view.valid
     over = valid.sum(-1) > view.budget[:, None]  # [B, H]
     # empty slots rank +inf: a row whose budget is below the batch maximum has some, and the pick must
@@ -103,7 +132,11 @@ def evict_over_budget(policy: Policy, most: int, pos: torch.Tensor, state: dict[
     age_key = pos.masked_fill(~valid, _OLDEST_LAST)
     if most == 1:
         lowest = priority.amin(-1, keepdim=True)
-        victims = torch.where(priority == lowest, age_key, _OLDEST_LAST).argmin(-1, keepdim=True)  # [B, H, 1]
+        # a selector whose scores tie exactly in real arithmetic (k-center distances under RoPE) counts
+        # scores within its relative tolerance as tied, so float noise cannot pick a different victim
+        tolerance = policy.tie_tolerance
+        tied = priority == lowest if not tolerance else priority <= lowest + lowest.abs() * tolerance
+        victims = torch.where(tied, age_key, _OLDEST_LAST).argmin(-1, keepdim=True)  # [B, H, 1]
         chosen = over[..., None]
     else:
         by_age = age_key.argsort(-1)
@@ -111,7 +144,7 @@ def evict_over_budget(policy: Policy, most: int, pos: torch.Tensor, state: dict[
         victims = by_age.gather(-1, order)  # [B, H, most]
         drop = policy.drop_amount(view.budget)  # [B]
         chosen = over[..., None] & (torch.arange(most, device=pos.device) < drop[:, None, None])
-    pos.scatter_(2, victims, torch.where(chosen, -1, pos.gather(2, victims)))
+    return victims, chosen
 
 
 def compiled_decode_step() -> Callable:

@@ -10,10 +10,11 @@ from torch import nn
 
 from evictlayers.compose.allocation import Allocation, Uniform
 from evictlayers.kernels import GQA_REDUCTIONS
-from evictlayers.modules import DenseKV, HeavyHitterSelector, Protection, QuantizedKV
+from evictlayers.modules import ClusterSketch, DenseKV, HeavyHitterSelector, Protection, QuantizedKV, RecentWindow
+from evictlayers.modules.cluster_sketch import TIE_TOLERANCE
 from evictlayers.scoring import Component, Observation, SlotView
 
-SELECTORS = (HeavyHitterSelector,)
+SELECTORS = (HeavyHitterSelector,)  # ClusterSketch(mode="kcenter") is one too
 STORAGES = (DenseKV, QuantizedKV)
 
 
@@ -34,6 +35,11 @@ class Policy(nn.Module):
     ``gqa_reduce`` combines the attention mass of the query heads sharing a KV head (sum/mean/max).
     ``storage`` is how the slots hold their keys and values: ``DenseKV()`` (the default, the model
     dtype) or ``QuantizedKV(bits, group, residual)``.
+    ``ClusterSketch`` (ClusterGen) comes in two modes. ``mode="stream"`` is no selector: the tokens
+    eviction frees are absorbed into a fixed-size sketch (Algorithm 1) and attention is the exact slots
+    merged with the sketch; it needs a ``RecentWindow`` (or a ``HeavyHitterSelector``) to say which
+    tokens stay exact. ``mode="kcenter"`` is a selector (Sec. 4): beside a ``RecentWindow(l)`` it keeps
+    ``k`` centres among the older keys, ``budget = l + k`` (Table 2).
     ``drop`` is how many tokens go at once when a head exceeds its budget: ``1`` (H2O Algorithm 1,
     at most one eviction per step) or Scissorhands' drop amount ``m`` (Algorithm 2), an ``int`` or a
     ``float`` fraction of the budget (the paper uses ``m = 0.5 B``). ``allocation`` splits the budget
@@ -52,22 +58,32 @@ class Policy(nn.Module):
         super().__init__()
         protections: list[Protection] = []
         selectors: list[nn.Module] = []
+        sketches: list[ClusterSketch] = []
         for index, module in enumerate(modules):
             if isinstance(module, Protection):
                 protections.append(module)
+            elif isinstance(module, ClusterSketch):
+                sketches.append(module)
+                if module.mode == "kcenter":
+                    selectors.append(module)
             elif isinstance(module, SELECTORS):
                 selectors.append(module)
             else:
                 raise TypeError(
-                    f"Policy module #{index} is {module!r}; expected a protection (RecentWindow, SinkTokens) "
-                    "or a selector (HeavyHitterSelector)"
+                    f"Policy module #{index} is {module!r}; expected a protection (RecentWindow, SinkTokens), "
+                    "a selector (HeavyHitterSelector, ClusterSketch(mode='kcenter')) or "
+                    "ClusterSketch(mode='stream')"
                 )
         kinds = [type(m).__name__ for m in protections]
         for kind in set(kinds):
             if kinds.count(kind) > 1:
                 raise ValueError(f"Policy has {kinds.count(kind)} {kind} modules; give it at most one")
+        if len(sketches) > 1:
+            raise ValueError(f"Policy has {len(sketches)} ClusterSketch modules; give it at most one")
         if len(selectors) > 1:
-            raise ValueError(f"Policy has {len(selectors)} selectors; give it at most one")
+            names = ", ".join(f"{type(m).__name__}({m.extra_repr()})" for m in selectors)
+            raise ValueError(f"Policy has {len(selectors)} selectors ({names}); give it at most one")
+        self._check_sketch(sketches[0] if sketches else None, protections, selectors, budget)
         open_ended = [m for m in protections if m.params().get("size", 0) is None]
         if open_ended and selectors:
             raise ValueError(
@@ -89,6 +105,8 @@ class Policy(nn.Module):
         # the open-ended RecentWindow reserves last: it takes what the others leave
         self.protections = nn.ModuleList(sorted(protections, key=lambda m: m in open_ended))
         self.selector = selectors[0] if selectors else None
+        # the stream-mode sketch: absorbs what eviction frees (a k-center sketch is the selector)
+        self.sketch = sketches[0] if sketches and sketches[0].mode == "stream" else None
         self.budget = budget
         self.drop = drop
         self.allocation = allocation if allocation is not None else Uniform()
@@ -96,6 +114,39 @@ class Policy(nn.Module):
         self.storage = storage if storage is not None else DenseKV()
         if isinstance(budget, int):
             self._check_fits(torch.tensor([budget]), where=f"budget={budget} tokens per head")
+
+    @staticmethod
+    def _check_sketch(sketch, protections: list, selectors: list, budget: Any) -> None:
+        """ClusterGen's compositions: a recent window beside the sketch (Sec. 4), ``budget = l + k``."""
+        if sketch is None:
+            return
+        windows = [m for m in protections if isinstance(m, RecentWindow)]
+        if sketch.mode == "kcenter" and not windows:
+            raise ValueError(
+                "ClusterSketch(mode='kcenter') keeps k centres beside the most recent l tokens (ClusterGen "
+                "Sec. 4, budget = l + k): add a RecentWindow(l) to the policy"
+            )
+        if sketch.mode == "stream" and not windows and not selectors:
+            raise ValueError(
+                "ClusterSketch(mode='stream') absorbs the tokens that leave the exact slots, so the policy "
+                "must say which tokens stay exact: add a RecentWindow (ClusterGen keeps the most recent "
+                "tokens exact) or a HeavyHitterSelector"
+            )
+        if sketch.mode != "kcenter" or sketch.centres is None:
+            return
+        if not isinstance(budget, int) or isinstance(budget, bool):
+            raise ValueError(
+                f"ClusterSketch(centres={sketch.centres}) fixes k, so the budget must be the int l + k "
+                f"(ClusterGen Table 2); got {_describe_budget(budget)}. Give an int budget, or leave "
+                "centres=None to take the share of the budget the protections leave"
+            )
+        reserved = sum(int(p.reserved(torch.tensor([budget]), torch.tensor([0]))[0]) for p in protections)
+        if budget - reserved != sketch.centres:
+            raise ValueError(
+                f"ClusterSketch(centres={sketch.centres}): budget={budget} minus the protected slots "
+                f"({reserved}) leaves {budget - reserved} centres; ClusterGen's budget is l + k, so set "
+                f"budget={reserved + sketch.centres} or centres=None"
+            )
 
     @staticmethod
     def _check_budget(budget: Any) -> None:
@@ -127,8 +178,12 @@ class Policy(nn.Module):
 
     @property
     def modules_in_order(self) -> list[nn.Module]:
-        """The modules as a recipe lists them: protections, then the selector."""
-        return [*self.protections, *([self.selector] if self.selector is not None else [])]
+        """The modules as a recipe lists them: protections, the selector, then a stream-mode sketch."""
+        return [
+            *self.protections,
+            *([self.selector] if self.selector is not None else []),
+            *([self.sketch] if self.sketch is not None else []),
+        ]
 
     def __eq__(self, other: object) -> bool:
         return (
@@ -223,10 +278,51 @@ class Policy(nn.Module):
         """``[B, Q]`` factor on the logits of the scoring softmax, or ``None`` to score with the model's."""
         return self.selector.score_gain(query_pos, budget) if self.selector is not None else None
 
+    @property
+    def kcenter(self) -> ClusterSketch | None:
+        """The selector when it is ``ClusterSketch(mode="kcenter")`` (it reads keys, not attention)."""
+        return self.selector if isinstance(self.selector, ClusterSketch) else None
+
+    @property
+    def tie_tolerance(self) -> float:
+        """Relative gap under which two priorities count as tied (the oldest slot goes first): 0 (exact)
+        except for k-center, whose distances tie exactly in real arithmetic (``TIE_TOLERANCE``)."""
+        return TIE_TOLERANCE if self.kcenter is not None else 0.0
+
     def observe(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
-        """Let the scorers fold this step's attention into their state."""
-        if self.selector is not None:
+        """Let the scorers fold this step's attention (and, for k-center, the keys) into their state."""
+        if self.kcenter is not None:
+            self.kcenter.update(state, observation, view, candidates=self.candidates(view))
+        elif self.selector is not None:
             self.selector.update(state, observation, view)
+
+    def select_centres(self, state: dict[str, torch.Tensor], keys: torch.Tensor, view: SlotView) -> None:
+        """After a multi-token step, before the top-``budget`` selection: greedy k-center over the
+        unprotected slots, ``k`` = the selector's share of each row's budget (a no-op without k-center)."""
+        if self.kcenter is None or view.budget is None:
+            return
+        reserved = self.reservations(view.budget)
+        share = view.budget - (torch.stack(reserved).sum(0) if reserved else 0)
+        self.kcenter.select_centres(state, keys, self.candidates(view), int(share.max()))
+
+    def settle(self, state: dict[str, torch.Tensor], keys: torch.Tensor, view: SlotView) -> None:
+        """After the top-``budget`` selection of a multi-token step, on the kept slots: the state the
+        decode steps maintain from then on (k-center's nearest-candidate gaps; a no-op otherwise)."""
+        if self.kcenter is not None and view.budget is not None:
+            self.kcenter.settle(state, keys, self.candidates(view))
+
+    def protected(self, view: SlotView) -> torch.Tensor:
+        """``[B, H_kv, N]`` bool: the slots a protection (RecentWindow, SinkTokens) holds."""
+        protected = torch.zeros_like(view.valid)
+        if view.budget is None:
+            return protected
+        for protection, reserved in zip(self.protections, self.reservations(view.budget), strict=True):
+            protected |= protection.protect(view, reserved)
+        return protected
+
+    def candidates(self, view: SlotView) -> torch.Tensor:
+        """``[B, H_kv, N]`` bool: occupied slots that no protection holds, the selector's to rank."""
+        return view.valid & ~self.protected(view)
 
     def priority(self, state: dict[str, torch.Tensor], view: SlotView) -> torch.Tensor:
         """``[B, H_kv, N]`` float: higher is kept longer; protected slots ``+inf``, empty ``-inf``."""
@@ -234,9 +330,5 @@ class Policy(nn.Module):
             rank = self.selector.score(state, view).float()
         else:
             rank = view.pos.float()
-        protected = torch.zeros_like(view.valid)
-        budget = view.budget
-        for protection, reserved in zip(self.protections, self.reservations(budget), strict=True):
-            protected |= protection.protect(view, reserved)
-        rank = rank.masked_fill(protected, math.inf)
+        rank = rank.masked_fill(self.protected(view), math.inf)
         return rank.masked_fill(~view.valid, -math.inf)

@@ -33,7 +33,7 @@ import yaml
 
 from evictlayers.compose.allocation import Pyramid, Ramp, Uniform
 from evictlayers.compose.policy import Policy
-from evictlayers.modules import DenseKV, HeavyHitterSelector, QuantizedKV, RecentWindow, SinkTokens
+from evictlayers.modules import ClusterSketch, DenseKV, HeavyHitterSelector, QuantizedKV, RecentWindow, SinkTokens
 from evictlayers.scoring import (
     Averaged,
     Component,
@@ -48,7 +48,7 @@ COMPONENTS: dict[str, type[Component]] = {
     cls.__name__: cls
     for cls in (
         RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged, Uniform, Ramp, Pyramid,
-        Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV, QuantizedKV,
+        Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV, QuantizedKV, ClusterSketch,
     )
 }
 POLICY_KEYS = ("budget", "modules", "drop", "allocation", "gqa_reduce", "storage")

@@ -13,7 +13,12 @@ import torch
 from evictlayers.compose.decode_step import along_slots, compiled_decode_step, decode_step
 from evictlayers.compose.policy import Policy
 from evictlayers.kernels.dispatch import prefill_attention
+from evictlayers.modules.cluster_sketch import CoinTable, SketchState, merge_with_exact
+
+COIN_TABLE_TOKENS = 16  # a decode step's sketch coins are hashed ahead for this many absorbed tokens per head
 from evictlayers.scoring import Observation, SlotView
+
+_LAST = torch.iinfo(torch.long).max
 
 
 class CompileError(RuntimeError):
@@ -34,6 +39,10 @@ class SlotStore:
         self.seen: torch.Tensor | None = None  # [B] real tokens per row
         self.budget: torch.Tensor | None = None  # [B] tokens per head, None = unbounded
         self.seq_len = 0  # columns fed so far, padding included (what transformers calls tokens seen)
+        # ClusterSketch (stream mode): the evicted tokens of every (row, KV head), fixed-size buffers
+        self.sketch: SketchState | None = None
+        self._coins: CoinTable | None = None  # the sketch's coins for the next decode steps
+        self._coin_room = 0  # decode steps the coin table still covers
 
     # ---- sizes ---------------------------------------------------------------------------------
 
@@ -65,6 +74,21 @@ class SlotStore:
             return 0
         return self.pos.nbytes + sum(t.nbytes for t in self.state.values())
 
+    def sketch_stats(self) -> dict[str, int]:
+        """What the layer's ClusterSketch holds: ``clusters``, ``samples`` (key samples of the clusters
+        in use plus held value samples) and ``absorbed`` tokens, each the most of any (row, head), and
+        ``bytes``, the size of its buffers (fixed at allocation) and of its coin table (fixed once
+        decoding starts). All 0 without a sketch."""
+        if self.sketch is None:
+            return {"clusters": 0, "samples": 0, "absorbed": 0, "bytes": 0}
+        stats = self.policy.sketch.stats(self.sketch)
+        return {
+            "clusters": int(stats["clusters_in_use"].max()),
+            "samples": int((stats["key_samples_held"] + stats["value_samples_held"]).max()),
+            "absorbed": int(stats["absorbed"].max()),
+            "bytes": int(stats["bytes"]) + (self._coins.nbytes() if self._coins is not None else 0),
+        }
+
     # ---- one step ------------------------------------------------------------------------------
 
     def step(
@@ -93,6 +117,7 @@ class SlotStore:
         if self.seen is None:
             self.seen = torch.zeros(batch, dtype=torch.long, device=key.device)
             self.budget = self.policy.resolve_budget(real.sum(1), self.layer_idx, self.num_layers)
+            self._allocate_sketch(key, value, sliding_window)
         elif self.seen.shape[0] != batch:
             raise ValueError(f"this cache holds {self.seen.shape[0]} sequences but the step has batch size {batch}")
         if q_len == 1 and self.kv is not None:
@@ -101,11 +126,19 @@ class SlotStore:
         new_pos = query_pos[:, None, :].expand(batch, kv_heads, q_len)
         keys, values, pos, state = self._concatenated(key, value, new_pos)
 
+        # a later multi-token step (chunked prefill) after tokens were absorbed merges the sketch as a
+        # decode step does, with each query's log-sum-exp over the slots it sees
+        merge = self.sketch is not None and bool(self.sketch.absorbed.any())
+        lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device) if merge else None
         attention = prefill_attention(
             query, keys, values, query_pos, pos,
             scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=self.policy.gqa_reduce,
             score_gain=self.policy.score_gain(query_pos, self.budget), keep_rows=self.policy.rows_needed,
+            lse_out=lse,
         )
+        out = attention.out
+        if merge:
+            out = self._merge_sketch(query, out, lse, query_pos, scaling=scaling, softcap=softcap)
         n_rows = attention.rows.shape[2]
         observation = Observation(
             mass=attention.mass,
@@ -114,17 +147,19 @@ class SlotStore:
             values=values,
             group_size=query.shape[1] // kv_heads,
             gqa_reduce=self.policy.gqa_reduce,
+            keys=keys,
         )
         self.seen = self.seen + real.sum(1)
         self.seq_len += q_len
         view = SlotView(pos=pos, seen=self.seen, budget=self.budget)
         self.policy.observe(state, observation, view)
+        self.policy.select_centres(state, keys, view)
         if self.kv is None:
             slots = self.policy.storage.from_dense(keys, values, pos, layer=self.layer_idx)
         else:
             slots = self.kv.append(key, value, new_pos)
         self._keep_best(slots, pos, state, view)
-        return attention.out
+        return out
 
     def _decode(self, query, key, value, real, **attention_kwargs) -> torch.Tensor:
         """One token per row into the fixed slot buffers (``decode_step``, compiled when asked)."""
@@ -137,7 +172,7 @@ class SlotStore:
         try:
             out, self.seen = step(
                 self.policy, self.most, self.kv, self.pos, self.state, self.seen, self.budget,
-                query, key, value, real, **attention_kwargs,
+                query, key, value, real, **attention_kwargs, sketch=self.sketch, coins=self._step_coins(),
             )
         except torch._dynamo.exc.TorchDynamoException as error:
             raise CompileError(
@@ -147,6 +182,70 @@ class SlotStore:
             ) from error
         self.seq_len += 1
         return out
+
+    # ---- the ClusterSketch of evicted tokens ----------------------------------------------------
+
+    def _allocate_sketch(self, key: torch.Tensor, value: torch.Tensor, sliding_window: int | None) -> None:
+        """One sketch per layer, at the first step, when the policy has a stream-mode ClusterSketch and
+        the layer can evict. A sliding-window layer gets none: the sketch keeps no positions, so it could
+        not forget the tokens that slide out of the window; its evicted tokens are dropped as usual."""
+        sketch = self.policy.sketch
+        if sketch is None or self.budget is None or sliding_window is not None:
+            return
+        batch, heads, _, head_dim = key.shape
+        self.sketch = sketch.allocate(batch, heads, head_dim, value.shape[-1], key.dtype, key.device, self.layer_idx)
+        # a 0-d tensor, not an int: torch.compile would specialise on each layer's int and recompile
+        self.sketch.salt = torch.tensor(self.sketch.salt, dtype=torch.int64, device=key.device)
+
+    def _step_coins(self) -> CoinTable | None:
+        """The coin table of the next decode step: a step absorbs at most ``most`` tokens per head, so a
+        table of ``max(16, most)`` tokens is remade (eagerly, outside any compiled graph, from device
+        counters: no host sync) once the steps since the last one could have used it up."""
+        if self.sketch is None:
+            return None
+        if self._coins is None or self._coin_room < self.most:
+            width = max(COIN_TABLE_TOKENS, self.most)
+            self._coins = self.policy.sketch.coin_table(self.sketch, width)
+            self._coin_room = width
+        self._coin_room -= self.most
+        return self._coins
+
+    def invalidate_coins(self) -> None:
+        """Drop the coin table (the sketch was changed outside a decode step: prefill, beam reorder)."""
+        self._coins, self._coin_room = None, 0
+
+    def _merge_sketch(self, query, out, lse, query_pos, *, scaling: float, softcap: float | None) -> torch.Tensor:
+        """``out`` ``[B, H_q, Q, D_v]`` of a multi-token step merged with the sketch (every absorbed token
+        precedes every query of the step, so all of them see all of it); padding queries stay zero."""
+        batch, q_heads, q_len, head_dim = query.shape
+        group = q_heads // self.sketch.representatives.shape[1] * q_len  # queries per KV head
+        flat = query.reshape(batch, q_heads * q_len, head_dim)  # (h_kv, g, q) order, as the group needs
+        terms = self.policy.sketch.sketch_terms(self.sketch, flat, scaling, group, softcap=softcap)
+        merged = merge_with_exact(out.reshape(batch, q_heads * q_len, -1), lse.reshape(batch, -1), *terms)
+        merged = merged.view(batch, q_heads, q_len, -1)
+        return torch.where((query_pos >= 0)[:, None, :, None], merged, torch.zeros_like(merged))
+
+    def _absorb_dropped(self, keys, values, pos, dropped: torch.Tensor) -> None:
+        """Feed the slots ``dropped`` ``[B, H, N]`` to the sketch in position order (the stream order of
+        Algorithm 1); one masked pass per token of the head that drops the most (Algorithm 1 is
+        sequential: each token's cluster depends on the clusters before it)."""
+        count = int(dropped.sum(-1).max())
+        if count == 0:
+            return
+        self.invalidate_coins()
+        order = pos.masked_fill(~dropped, _LAST).argsort(-1)[..., :count]  # [B, H, count]
+        sketch = self.policy.sketch
+        for start in range(0, count, 1024):
+            block = order[..., start : start + 1024]
+            # the block's coins hashed at once (a head absorbs at most the block's width of tokens)
+            coins = sketch.coin_table(self.sketch, block.shape[-1])
+            sketch.absorb(
+                self.sketch,
+                keys.gather(2, along_slots(block, keys)),
+                values.gather(2, along_slots(block, values)),
+                dropped.gather(2, block),
+                coins,
+            )
 
     # ---- slot bookkeeping ----------------------------------------------------------------------
 
@@ -190,10 +289,15 @@ class SlotStore:
         # rows whose own budget is below the batch maximum drop their lowest-ranked picks
         rank_ok = torch.arange(top, device=pos.device)[None, None, :] < self.budget[:, None, None]
         spare = keep + 1 - top  # the capacity is budget + 1 whatever the step's width
+        self.pos = _pad_slots(pos.gather(2, order).masked_fill(~rank_ok, -1), spare, -1)
+        if self.sketch is not None:
+            # everything the top-budget selection drops is absorbed (after the step's own exact attention)
+            kept_slots = torch.zeros_like(pos, dtype=torch.bool).scatter_(2, order, rank_ok.expand_as(order))
+            self._absorb_dropped(*slots.dense(), pos, (pos >= 0) & ~kept_slots)
         self.kv = slots.gather(order)
         self.kv.grow(spare)
-        self.pos = _pad_slots(pos.gather(2, order).masked_fill(~rank_ok, -1), spare, -1)
         self.state = {name: _pad_slots(t.gather(2, along_slots(order, t)), spare, 0.0) for name, t in state.items()}
+        self.policy.settle(self.state, self.keys, SlotView(pos=self.pos, seen=self.seen, budget=self.budget))
 
 
 def _pad_slots(tensor: torch.Tensor, extra: int, fill: float) -> torch.Tensor:

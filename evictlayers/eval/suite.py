@@ -121,6 +121,8 @@ class EvalTask:
                 **rows[b],
                 "histogram": histogram[b].tolist(),
                 "kv_bytes": stats["kv_bytes"] / batch_size,
+                # a ClusterSketch's buffers, beside the slots (compare memory with both)
+                "sketch_bytes": stats.get("sketch_bytes", 0) / batch_size,
                 "seconds": seconds / batch_size,
             }
             for b in range(batch_size)
@@ -135,6 +137,7 @@ class EvalTask:
         return {
             "n": len(records),
             "kv_bytes": sum(r["kv_bytes"] for r in records) / len(records),
+            "sketch_bytes": sum(r.get("sketch_bytes", 0) for r in records) / len(records),
             "kept_fraction": sum(r["retained_slots"] for r in records) / sum(r["full_slots"] for r in records),
             "budget_tokens": None if any(b is None for b in budgets) else sum(budgets) / len(budgets),
             "tokens": tokens,

@@ -87,8 +87,13 @@ class EvictionLayer(CacheLayerMixin):
         store.seen = store.seen.index_select(0, index)
         if store.budget is not None:
             store.budget = store.budget.index_select(0, index)
+        if store.sketch is not None:  # the ClusterSketch of each row's evicted tokens follows its row
+            for name, tensor in store.sketch.tensors().items():
+                setattr(store.sketch, name, tensor.index_select(0, index))
+            store.invalidate_coins()
 
     def reset(self) -> None:
+        """Forget everything, the ClusterSketch included: the next step starts a new one."""
         store = self.store
         self.store = SlotStore(store.policy, store.layer_idx, store.num_layers, compile=store.compile)
         self.staged = None
@@ -106,27 +111,38 @@ class EvictionCache(Cache):
         self.policy = policy
 
     def stats(self) -> dict:
-        """``{'kv_bytes', 'state_bytes', 'layers': [{'retained_tokens', 'seen_tokens', 'kv_bytes',
-        'state_bytes'}, ...]}``.
+        """``{'kv_bytes', 'state_bytes', 'sketch_bytes', 'layers': [{'retained_tokens', 'seen_tokens',
+        'kv_bytes', 'state_bytes', 'sketch_clusters', 'sketch_samples', 'sketch_absorbed',
+        'sketch_bytes'}, ...]}``.
 
         ``retained_tokens`` is the most any head of the layer keeps, ``seen_tokens`` the most real
         tokens any row has fed, ``kv_bytes`` the bytes the layer's key/value slots occupy and
         ``state_bytes`` those of its bookkeeping (slot positions and the policy's per-slot state).
+        With a stream-mode ``ClusterSketch``: ``sketch_clusters``, ``sketch_samples`` (key samples of
+        the clusters in use plus value samples) and ``sketch_absorbed`` tokens are the most any head
+        holds, ``sketch_bytes`` the size of the layer's sketch buffers, fixed whatever the number of
+        tokens absorbed (all 0 without a sketch). The totals are sums over layers.
         """
         layers = []
         for layer in self.layers:
             store = layer.store
             started = store.kv is not None
+            sketch = store.sketch_stats()
             layers.append(
                 {
                     "retained_tokens": int(store.retained().max()) if started else 0,
                     "seen_tokens": int(store.seen.max()) if started else 0,
                     "kv_bytes": store.kv_bytes(),
                     "state_bytes": store.state_bytes(),
+                    "sketch_clusters": sketch["clusters"],
+                    "sketch_samples": sketch["samples"],
+                    "sketch_absorbed": sketch["absorbed"],
+                    "sketch_bytes": sketch["bytes"],
                 }
             )
         return {
             "kv_bytes": sum(entry["kv_bytes"] for entry in layers),
             "state_bytes": sum(entry["state_bytes"] for entry in layers),
+            "sketch_bytes": sum(entry["sketch_bytes"] for entry in layers),
             "layers": layers,
         }

@@ -152,7 +152,7 @@ class EvictionRun:
     def stats(self) -> dict:
         """Memory and token counts of the cache of the last forward (see ``EvictionCache.stats``)."""
         if self.cache is None:
-            return {"kv_bytes": 0, "state_bytes": 0, "layers": []}
+            return {"kv_bytes": 0, "state_bytes": 0, "sketch_bytes": 0, "layers": []}
         return self.cache.stats()
 
 

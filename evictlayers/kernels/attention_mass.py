@@ -57,6 +57,7 @@ def attention_with_mass(
     score_gain: torch.Tensor | None = None,
     keep_rows: int = 0,
     max_chunk_elements: int = 1 << 24,
+    lse_out: torch.Tensor | None = None,
 ) -> AttentionMass:
     """Causal attention over slots addressed by original position.
 
@@ -77,6 +78,10 @@ def attention_with_mass(
             uniformly over the visible slots.
         keep_rows: also return the scoring probabilities of the last ``keep_rows`` queries.
         max_chunk_elements: bound on the logits held at once; sets the query chunk size.
+        lse_out: optional ``[B, H_q, Q]`` float32 tensor, filled in place with each query's log-sum-exp
+            of the model's (scaled, soft-capped) logits over the slots it sees, ``-inf`` when it sees
+            none. An out-argument so that the return value stays what every caller unpacks; the slot
+            store uses it to merge a ``ClusterSketch`` into a multi-token step.
     """
     if gqa_reduce not in GQA_REDUCTIONS:
         raise ValueError(f"gqa_reduce={gqa_reduce!r} is not one of {GQA_REDUCTIONS}")
@@ -116,6 +121,8 @@ def attention_with_mass(
         if score_gain is not None:
             score_logits = logits * score_gain[:, None, None, start:stop, None].float()
         probs = torch.softmax(logits.masked_fill_(hidden, float("-inf")), dim=-1)
+        if lse_out is not None:
+            lse_out[:, :, start:stop] = torch.logsumexp(logits, dim=-1).view(batch, q_heads, stop - start)
         # a query that sees no key (padding) gives a NaN row: it contributes nothing instead
         probs.nan_to_num_(0.0)
         out[:, :, :, start:stop] = torch.einsum("bhgqn,bhnd->bhgqd", probs, values[:, :, :limit])

@@ -23,10 +23,15 @@ class DecodeAttention(NamedTuple):
     Attributes:
         out: ``[B, H_q, D_v]`` attention output in the query dtype (zero for a padding query).
         mass: ``[B, H_kv, N]`` float32 scoring probability of each slot, reduced over its GQA group.
+        lse: ``[B, H_q]`` float32 log-sum-exp of the model's scaled (soft-capped) logits over the visible
+            slots, ``-inf`` when none is visible (a padding query): the softmax normaliser in log space,
+            which lets another source of keys (``ClusterSketch``'s sketch of evicted tokens) be merged
+            with ``out`` exactly (``merge_with_exact``). The score gain never enters it.
     """
 
     out: torch.Tensor
     mass: torch.Tensor
+    lse: torch.Tensor
 
 
 def decode_attention_with_mass(
@@ -73,10 +78,14 @@ def decode_attention_with_mass(
     if sliding_window is not None:
         visible &= q_pos - key_pos < sliding_window
     visible = visible[:, :, None, :]
-    probs = torch.softmax(logits.masked_fill(~visible, float("-inf")), dim=-1)
+    masked = logits.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(masked, dim=-1)  # [B, H_kv, G]; -inf for a row that sees nothing
+    probs = torch.softmax(masked, dim=-1)
     probs = torch.where(visible, probs, 0.0)  # a row that sees nothing (padding) is NaN: zero it
     out = torch.matmul(probs.to(value.dtype), value)  # [B, H_kv, G, D_v]
     if score_gain is not None:
         gained = logits * score_gain.float()[:, None, None, None]
         probs = torch.where(visible, torch.softmax(gained.masked_fill(~visible, float("-inf")), dim=-1), 0.0)
-    return DecodeAttention(out.reshape(batch, q_heads, -1).to(query.dtype), reduce_group(probs, gqa_reduce))
+    return DecodeAttention(
+        out.reshape(batch, q_heads, -1).to(query.dtype), reduce_group(probs, gqa_reduce), lse.reshape(batch, q_heads)
+    )

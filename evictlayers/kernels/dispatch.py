@@ -103,8 +103,18 @@ def prefill_attention(
     score_gain: torch.Tensor | None = None,
     keep_rows: int = 0,
     max_chunk_elements: int = 1 << 24,
+    lse_out: torch.Tensor | None = None,
 ) -> AttentionMass:
-    """``attention_with_mass`` on the chosen kernel; see it for the arguments and shapes."""
+    """``attention_with_mass`` on the chosen kernel; see it for the arguments and shapes.
+
+    ``lse_out`` (each query's log-sum-exp, wanted when a ``ClusterSketch`` is merged into a chunked
+    prefill) is filled by the reference only, so asking for it selects the reference."""
+    if lse_out is not None:
+        return attention_with_mass(
+            query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap,
+            sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain,
+            keep_rows=keep_rows, max_chunk_elements=max_chunk_elements, lse_out=lse_out,
+        )
     if _use_triton(query):
         from evictlayers.kernels.triton_prefill import attention_with_mass_triton as kernel
     elif kernel_choice() == "auto" and query.device.type == "cpu":

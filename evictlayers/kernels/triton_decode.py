@@ -179,7 +179,7 @@ def merged_lse(m_ptr, l_ptr, bh, n_splits, G: tl.constexpr, BLOCK_S: tl.constexp
 
 @triton.jit
 def _finalise_kernel(
-    logits_ptr, m_ptr, l_ptr, ms_ptr, ls_ptr, acc_ptr, gain_ptr, out_ptr, mass_ptr,
+    logits_ptr, m_ptr, l_ptr, ms_ptr, ls_ptr, acc_ptr, gain_ptr, out_ptr, mass_ptr, lse_ptr,
     s_ob, s_oh, N, DV, n_splits,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -208,6 +208,8 @@ def _finalise_kernel(
         out = out / tl.where(total > 0, total, 1.0)[:, None]
         tl.store(out_ptr + b * s_ob + (h * G + offs_g)[:, None] * s_oh + offs_dv[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & dv_ok)
+        # the model's log-sum-exp per query head ([B, H_q] contiguous), -inf for a head that saw nothing
+        tl.store(lse_ptr + bh * G + offs_g, lse, mask=g_ok)
 
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
@@ -259,7 +261,7 @@ def decode_attention_with_mass_triton(
 
     Shapes: query ``[B, H_q, D]``, key ``[B, H_kv, N, D]``, value ``[B, H_kv, N, D_v]``, query_pos
     ``[B]``, key_pos ``[B, H_kv, N]``, score_gain ``[B]``. Returns out ``[B, H_q, D_v]`` (query dtype) and
-    mass ``[B, H_kv, N]`` float32. Extra memory: ``B * H_q * N`` float32 logits plus per-split stats.
+    mass ``[B, H_kv, N]`` float32 and lse ``[B, H_q]`` float32. Extra memory: ``B * H_q * N`` float32 logits plus per-split stats.
     The launch is the custom op ``torch.ops.evictlayers.decode_attention_with_mass_triton``, so
     ``torch.compile`` traces through it (``torch.library.triton_op``).
     """
@@ -267,9 +269,9 @@ def decode_attention_with_mass_triton(
         raise ValueError(f"gqa_reduce={gqa_reduce!r} is not one of {GQA_REDUCTIONS}")
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})")
-    out, mass = _decode_op(query, key, value, query_pos, key_pos, scaling, softcap, sliding_window, gqa_reduce,
-                           score_gain)
-    return DecodeAttention(out, mass)
+    out, mass, lse = _decode_op(query, key, value, query_pos, key_pos, scaling, softcap, sliding_window, gqa_reduce,
+                                score_gain)
+    return DecodeAttention(out, mass, lse)
 
 
 @torch.library.triton_op("evictlayers::decode_attention_with_mass_triton", mutates_args=())
@@ -284,7 +286,7 @@ def _decode_op(
     sliding_window: int | None,
     gqa_reduce: str,
     score_gain: torch.Tensor | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Allocate the scratch buffers and launch the two passes; arguments as the public function."""
     batch, q_heads, head_dim = query.shape
     _, kv_heads, n_slots, _ = key.shape
@@ -305,6 +307,7 @@ def _decode_op(
     acc = torch.empty(batch * kv_heads, n_splits, groups, v_dim, **f32)
     out = torch.empty(batch, q_heads, v_dim, dtype=query.dtype, device=device)
     mass = torch.empty(batch, kv_heads, n_slots, **f32)
+    lse = torch.empty(batch, q_heads, **f32)
     shared = dict(HKV=kv_heads, G=groups, BLOCK_G=block_size(groups), BLOCK_N=block_n,
                   BLOCK_DV=block_size(v_dim), HAS_GAIN=score_gain is not None)
 
@@ -317,8 +320,8 @@ def _decode_op(
         UPCAST=upcast, PRECISION=precision, **shared,
     )
     torch.library.wrap_triton(_finalise_kernel)[(batch * kv_heads, triton.cdiv(n_slots, block_n))](
-        logits, stats[0], stats[1], stats[2], stats[3], acc, gain, out, mass, out.stride(0), out.stride(1),
+        logits, stats[0], stats[1], stats[2], stats[3], acc, gain, out, mass, lse, out.stride(0), out.stride(1),
         n_slots, v_dim, n_splits, BLOCK_S=triton.next_power_of_2(n_splits), REDUCE=REDUCE_CODES[gqa_reduce],
         **shared,
     )
-    return out, mass
+    return out, mass, lse

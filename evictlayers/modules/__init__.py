@@ -1,5 +1,6 @@
 """What stays in the cache (protections by position, selectors by score) and how it is stored."""
 
+from evictlayers.modules.cluster_sketch import ClusterSketch, SketchState
 from evictlayers.modules.dense_kv import DenseKV, DenseSlots
 from evictlayers.modules.heavy_hitter import HeavyHitterSelector
 from evictlayers.modules.protection import Protection
@@ -8,6 +9,14 @@ from evictlayers.modules.recent_window import RecentWindow
 from evictlayers.modules.sink_tokens import SinkTokens
 
 __all__ = [
-    "DenseKV", "DenseSlots", "HeavyHitterSelector", "Protection", "QuantizedKV", "QuantizedSlots", "RecentWindow",
+    "ClusterSketch",
+    "DenseKV",
+    "DenseSlots",
+    "HeavyHitterSelector",
+    "Protection",
+    "QuantizedKV",
+    "QuantizedSlots",
+    "RecentWindow",
     "SinkTokens",
+    "SketchState",
 ]

@@ -45,6 +45,8 @@ class Observation:
         values: ``[B, H_kv, N, D_v]`` the slots' values.
         group_size: query heads per KV head (GQA group).
         gqa_reduce: how the group's probabilities were combined (``"sum"``, ``"mean"``, ``"max"``).
+        keys: ``[B, H_kv, N, D]`` the slots' keys (post-RoPE), for key-fed scorers such as
+            ``ClusterSketch(mode="kcenter")``; ``None`` where the caller has none to give.
     """
 
     mass: torch.Tensor
@@ -53,3 +55,4 @@ class Observation:
     values: torch.Tensor
     group_size: int
     gqa_reduce: str
+    keys: torch.Tensor | None = None
