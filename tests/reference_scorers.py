@@ -9,7 +9,8 @@ history of attention rows:
 - LowScoreCounter (Scissorhands Alg. 2): ``I_j = #{i in last w rows : j present and visible at i,
   a_{i,j} < 1/t_i}``, ``t_i = i + 1``; drop the highest counts, the newest first among equal counts;
 - SG-softmax (AhaKV Eq. 9, 12): row ``i`` scores with ``softmax(lambda_i * q_i . k_j)``,
-  ``lambda_i = sqrt(2 log(t_i / k) / d)`` on the raw dot product (0 while ``t_i <= k``);
+  ``lambda_i = sqrt(2 log(t_i / k) / d)`` on the raw dot product (the model's ``1 / sqrt(d)`` while
+  ``t_i <= k``);
 - value prior (AhaKV Eq. 13-15): ``nu_j = ||v_j||^2`` averaged over the neighbours ``|i - j| <= pool//2``
   that shared the cache with ``j``, divided by its maximum over the tokens held, times the score.
 
@@ -46,6 +47,16 @@ def _dot(a, b) -> float:
     return sum(float(x) * float(y) for x, y in zip(a.tolist(), b.tolist()))
 
 
+def sg_lambda(i: int, budget: int | None, d: int) -> float:
+    """AhaKV Eq. 12, ``lambda = sqrt(2 log(t / k) / d)`` on the raw dot product of the query at position ``i``
+    (``t = i + 1`` tokens seen); while ``t <= k`` (no real solution) and without a budget, the model's own
+    ``1 / sqrt(d)``."""
+    t = i + 1
+    if budget is None or t <= budget:
+        return 1.0 / math.sqrt(d)
+    return math.sqrt(2 * math.log(t / budget) / d)
+
+
 class ReferenceCache:
     """One head under a budget, fed chunk by chunk.
 
@@ -69,13 +80,8 @@ class ReferenceCache:
     def attention_row(self, i: int, present: list[int]) -> dict[int, float]:
         visible = [j for j in present if j <= i]
         dots = [_dot(self.q[i], self.k[j]) for j in visible]
-        if self.sg and self.budget is not None:
-            t = i + 1
-            lam = math.sqrt(2 * math.log(t / self.budget) / self.d) if t > self.budget else 0.0
-            logits = [lam * x for x in dots]
-        else:
-            logits = [x / math.sqrt(self.d) for x in dots]
-        return dict(zip(visible, _softmax(logits)))
+        return dict(zip(visible, _softmax([sg_lambda(i, self.budget, self.d) * x for x in dots] if self.sg
+                                          else [x / math.sqrt(self.d) for x in dots])))
 
     def accumulated(self, j: int) -> float:
         if self.scorer[0] == "cumulative":
