@@ -205,7 +205,7 @@ RECIPES = Path(__file__).parent.parent / "recipes"
 
 
 def test_shipped_recipes_are_the_papers_compositions():
-    assert el.load_recipe(RECIPES / "ahakv.yaml") == el.Policy(
+    assert el.load_recipe(RECIPES / "ahakv_windowed.yaml") == el.Policy(
         el.RecentWindow(32),
         el.HeavyHitterSelector(el.Windowed(32), transform=el.StepGainSoftmax(), prior=el.ValuePrior(5)),
         budget=0.2,

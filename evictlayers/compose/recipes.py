@@ -39,6 +39,7 @@ from evictlayers.scoring import (
     Component,
     Cumulative,
     LowScoreCounter,
+    RecentThenCumulative,
     StepGainSoftmax,
     ValuePrior,
     Windowed,
@@ -48,7 +49,7 @@ COMPONENTS: dict[str, type[Component]] = {
     cls.__name__: cls
     for cls in (
         RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged, Uniform, Ramp, Pyramid,
-        Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV, QuantizedKV,
+        Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV, QuantizedKV, RecentThenCumulative,
     )
 }
 POLICY_KEYS = ("budget", "modules", "drop", "allocation", "gqa_reduce", "storage")
