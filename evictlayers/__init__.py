@@ -4,7 +4,9 @@ from evictlayers import models
 from evictlayers.compose import Policy, Pyramid, Ramp, RecipeError, SlotStore, Uniform, dump_recipe, load_recipe
 from evictlayers.hf import EvictionCache, UnsupportedModelError, apply
 from evictlayers.modules import ClusterSketch, DenseKV, HeavyHitterSelector, QuantizedKV, RecentWindow, SinkTokens
-from evictlayers.scoring import Averaged, Cumulative, LowScoreCounter, StepGainSoftmax, ValuePrior, Windowed
+from evictlayers.scoring import (
+    Averaged, Cumulative, LowScoreCounter, RecentThenCumulative, StepGainSoftmax, ValuePrior, Windowed,
+)
 
 __all__ = [
     "Averaged",
@@ -19,6 +21,7 @@ __all__ = [
     "QuantizedKV",
     "Ramp",
     "RecipeError",
+    "RecentThenCumulative",
     "RecentWindow",
     "SinkTokens",
     "SlotStore",

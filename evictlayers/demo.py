@@ -22,7 +22,10 @@ from evictlayers.eval.tasks.passkey import passkey_prompts, score_passkey
 from evictlayers.models import load_default
 
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
-DEFAULT_RECIPES = ("full", "local", "streaming_llm", "h2o", "h2o_averaged", "scissorhands", "ahakv")
+DEFAULT_RECIPES = (
+    "full", "local", "streaming_llm", "h2o", "h2o_averaged", "scissorhands", "ahakv", "h2o_int4", "scissorhands_int4",
+    "clustergen",
+)
 
 
 class _StepClock(BaseStreamer):

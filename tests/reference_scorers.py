@@ -9,7 +9,8 @@ history of attention rows:
 - LowScoreCounter (Scissorhands Alg. 2): ``I_j = #{i in last w rows : j present and visible at i,
   a_{i,j} < 1/t_i}``, ``t_i = i + 1``; drop the highest counts, the newest first among equal counts;
 - SG-softmax (AhaKV Eq. 9, 12): row ``i`` scores with ``softmax(lambda_i * q_i . k_j)``,
-  ``lambda_i = sqrt(2 log(t_i / k) / d)`` on the raw dot product (0 while ``t_i <= k``);
+  ``lambda_i = sqrt(2 log(t_i / k) / d)`` on the raw dot product (the model's ``1 / sqrt(d)`` while
+  ``t_i <= k``);
 - value prior (AhaKV Eq. 13-15): ``nu_j = ||v_j||^2`` averaged over the neighbours ``|i - j| <= pool//2``
   that shared the cache with ``j``, divided by its maximum over the tokens held, times the score.
 
@@ -46,6 +47,16 @@ def _dot(a, b) -> float:
     return sum(float(x) * float(y) for x, y in zip(a.tolist(), b.tolist()))
 
 
+def sg_lambda(i: int, budget: int | None, d: int) -> float:
+    """AhaKV Eq. 12, ``lambda = sqrt(2 log(t / k) / d)`` on the raw dot product of the query at position ``i``
+    (``t = i + 1`` tokens seen); while ``t <= k`` (no real solution) and without a budget, the model's own
+    ``1 / sqrt(d)``."""
+    t = i + 1
+    if budget is None or t <= budget:
+        return 1.0 / math.sqrt(d)
+    return math.sqrt(2 * math.log(t / budget) / d)
+
+
 class ReferenceCache:
     """One head under a budget, fed chunk by chunk.
 
@@ -69,13 +80,8 @@ class ReferenceCache:
     def attention_row(self, i: int, present: list[int]) -> dict[int, float]:
         visible = [j for j in present if j <= i]
         dots = [_dot(self.q[i], self.k[j]) for j in visible]
-        if self.sg and self.budget is not None:
-            t = i + 1
-            lam = math.sqrt(2 * math.log(t / self.budget) / self.d) if t > self.budget else 0.0
-            logits = [lam * x for x in dots]
-        else:
-            logits = [x / math.sqrt(self.d) for x in dots]
-        return dict(zip(visible, _softmax(logits)))
+        return dict(zip(visible, _softmax([sg_lambda(i, self.budget, self.d) * x for x in dots] if self.sg
+                                          else [x / math.sqrt(self.d) for x in dots])))
 
     def accumulated(self, j: int) -> float:
         if self.scorer[0] == "cumulative":
@@ -139,3 +145,67 @@ class ReferenceCache:
             self.retained = sorted(ranked[: len(present) - self.drop])
         else:
             self.retained = present
+
+
+class ReferenceAlgorithm1:
+    """AhaKV Algorithm 1 for one head, as written: Python floats, one generated token at a time.
+
+    ``prefill(n)`` (lines 5-12): ``A`` over the first ``n`` tokens (causal); ``F_s[j] = sum of
+    SGsoftmax(A)[i, j]`` over the last ``recent`` rows ``i`` (line 8); ``gamma = AvgPool(||V||^2)`` over the
+    prompt, a window of ``pool`` centred on each token, averaged over the neighbours that exist (line 9);
+    ``F_hat = gamma / max(gamma) * F_s`` (line 10); keep the last ``recent`` tokens (``S^r``) and the
+    ``budget - recent`` best of the others by ``F_hat`` (lines 11-12, ranked by ``F_hat``: line 11's
+    ``F_s`` read as the weighted score that line 19 carries on). ``pool=None``: no prior.
+
+    ``generate(i)`` (lines 23-30) for token ``i``: ``A`` = its query against the kept tokens and itself;
+    ``F_t = SGsoftmax(A) + F_{t-1}`` (line 27; the new token starts from its own entry); keep the last
+    ``recent`` tokens and the best ``budget - recent`` others, i.e. drop the lowest ``F`` of the others
+    when over budget (the oldest among equal scores).
+
+    ``SGsoftmax``: ``softmax(lambda_i * q_i . k_j)`` with ``sg_lambda`` (Eq. 12, ``k = budget``).
+    """
+
+    def __init__(self, q, k, v, *, budget: int, recent: int, pool: int | None):
+        self.q, self.k, self.v = q, k, v
+        self.d = q.shape[-1]
+        self.budget, self.recent, self.pool = budget, recent, pool
+        self.retained: list[int] = []
+        self.F: dict[int, float] = {}
+        self.seen = 0
+
+    def _row(self, i: int, present: list[int]) -> dict[int, float]:
+        visible = [j for j in present if j <= i]
+        lam = sg_lambda(i, self.budget, self.d)
+        return dict(zip(visible, _softmax([lam * _dot(self.q[i], self.k[j]) for j in visible])))
+
+    def _select(self, tokens: list[int]) -> list[int]:
+        recent = [j for j in tokens if j >= self.seen - self.recent]
+        others = sorted((j for j in tokens if j < self.seen - self.recent), key=lambda j: (self.F[j], j), reverse=True)
+        return sorted(recent + others[: max(self.budget - len(recent), 0)])
+
+    def prefill(self, n: int) -> None:
+        tokens = list(range(n))
+        self.F = dict.fromkeys(tokens, 0.0)
+        for i in tokens[max(n - self.recent, 0):]:
+            for j, a in self._row(i, tokens).items():
+                self.F[j] += a
+        if self.pool is not None:
+            half = self.pool // 2
+            nu = [float(self.v[j].pow(2).sum()) for j in tokens]
+            gamma = [sum(nu[max(j - half, 0) : j + half + 1]) / len(nu[max(j - half, 0) : j + half + 1])
+                     for j in tokens]
+            top = max(gamma)
+            self.F = {j: gamma[j] / top * self.F[j] for j in tokens}
+        self.seen = n
+        self.retained = tokens if n <= self.budget else self._select(tokens)
+        self.F = {j: self.F[j] for j in self.retained}
+
+    def generate(self, i: int) -> None:
+        assert i == self.seen
+        present = self.retained + [i]
+        self.F[i] = 0.0
+        for j, a in self._row(i, present).items():
+            self.F[j] += a
+        self.seen = i + 1
+        self.retained = present if len(present) <= self.budget else self._select(present)
+        self.F = {j: self.F[j] for j in self.retained}

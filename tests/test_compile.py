@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 
 import evictlayers as el
 from evictlayers.compose.store import CompileError
+from evictlayers.eval.suite import rebudget
 from evictlayers.scoring import Cumulative
 from tiny_models import build, left_padded, single_thread  # noqa: F401
 
@@ -74,6 +75,8 @@ def test_one_graph_no_recompiles_same_logits_as_eager(name):
 def test_shipped_recipes_compile_without_recompiles(recipe):
     model = build("llama")
     policy = el.load_recipe(f"recipes/{recipe}.yaml")
+    if policy.budget is not None:  # 20% of a 13-token prompt cannot hold ahakv's RecentWindow(32)
+        policy = rebudget(policy, 40)
     eager, _ = decode_logits(model, policy, compile=False, steps=100)
     torch._dynamo.reset()
     counters.clear()

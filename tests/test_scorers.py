@@ -123,9 +123,9 @@ def test_value_prior_pools_a_whole_prompt_like_avgpool():
     assert torch.allclose(store.policy.selector.prior.pooled(store.state)[0, 0], pooled, atol=1e-6)
 
 
-def test_step_gain_is_sqrt_2_log_i_over_k_and_zero_up_to_the_budget():
+def test_step_gain_is_sqrt_2_log_i_over_k_and_the_models_softmax_up_to_the_budget():
     gain = el.StepGainSoftmax().score_gain(torch.tensor([[0, 9, 10, 99, -1]]), torch.tensor([10]))
-    expected = torch.tensor([0.0, 0.0, (2 * math.log(11 / 10)) ** 0.5, (2 * math.log(10.0)) ** 0.5, 0.0])
+    expected = torch.tensor([1.0, 1.0, (2 * math.log(11 / 10)) ** 0.5, (2 * math.log(10.0)) ** 0.5, 1.0])
     assert torch.allclose(gain[0], expected)
     assert el.StepGainSoftmax().score_gain(torch.tensor([[5]]), None) is None
 
@@ -218,7 +218,7 @@ RECIPES = Path(__file__).parent.parent / "recipes"
 
 
 def test_shipped_recipes_are_the_papers_compositions():
-    assert el.load_recipe(RECIPES / "ahakv.yaml") == el.Policy(
+    assert el.load_recipe(RECIPES / "ahakv_windowed.yaml") == el.Policy(
         el.RecentWindow(32),
         el.HeavyHitterSelector(el.Windowed(32), transform=el.StepGainSoftmax(), prior=el.ValuePrior(5)),
         budget=0.2,

@@ -39,6 +39,7 @@ from evictlayers.scoring import (
     Component,
     Cumulative,
     LowScoreCounter,
+    RecentThenCumulative,
     StepGainSoftmax,
     ValuePrior,
     Windowed,
@@ -49,6 +50,7 @@ COMPONENTS: dict[str, type[Component]] = {
     for cls in (
         RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged, Uniform, Ramp, Pyramid,
         Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV, QuantizedKV, ClusterSketch,
+        RecentThenCumulative,
     )
 }
 POLICY_KEYS = ("budget", "modules", "drop", "allocation", "gqa_reduce", "storage")

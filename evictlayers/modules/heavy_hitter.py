@@ -27,7 +27,9 @@ class HeavyHitterSelector(Component):
 
     - ``HeavyHitterSelector(Cumulative())``: H2O (Algorithm 1); ``Averaged()``: its normalised variant;
     - ``HeavyHitterSelector(LowScoreCounter(window=w))`` with ``Policy(..., drop=0.5)``: Scissorhands;
-    - ``HeavyHitterSelector(Windowed(32), StepGainSoftmax(), ValuePrior())``: AhaKV.
+    - ``HeavyHitterSelector(Windowed(32), StepGainSoftmax(), ValuePrior())``: AhaKV with Eq. 5 at every
+      step (recipe ``ahakv_windowed``); ``HeavyHitterSelector(RecentThenCumulative(32), StepGainSoftmax())``
+      is Algorithm 1 as written (recipe ``ahakv``).
     """
 
     param_names = ("accumulator", "transform", "prior")

@@ -6,6 +6,7 @@ from evictlayers.scoring.averaged import Averaged
 from evictlayers.scoring.component import Component
 from evictlayers.scoring.cumulative import Cumulative
 from evictlayers.scoring.low_score_counter import LowScoreCounter
+from evictlayers.scoring.recent_then_cumulative import RecentThenCumulative
 from evictlayers.scoring.step_gain import ScoreTransform, StepGainSoftmax
 from evictlayers.scoring.value_prior import ScorePrior, ValuePrior
 from evictlayers.scoring.view import Observation, SlotView
@@ -17,6 +18,7 @@ __all__ = [
     "Cumulative",
     "LowScoreCounter",
     "Observation",
+    "RecentThenCumulative",
     "ScoreAccumulator",
     "ScorePrior",
     "ScoreTransform",

@@ -42,9 +42,11 @@ class ValuePrior(ScorePrior):
     The maximum of Eq. 14 is taken over the slots the head currently holds. Dividing by it is a per-head
     constant, so it never changes which slot a head evicts; it keeps the weight in ``[0, 1]``.
 
-    Deviation: Algorithm 1 weights the prefill score once (line 10) and then adds generated rows unweighted
-    (line 27); we apply Eq. 15 to the current score at every ranking, so generated tokens get their prior
-    too. The pool size is not stated in the paper; ``pool=5`` is our default.
+    As the selector's ``prior`` (``recipes/ahakv_windowed.yaml``) it deviates from Algorithm 1, which weights
+    the prefill score once (line 10) and then adds generated rows unweighted (line 27): Eq. 15 is applied to
+    the current score at every ranking, so generated tokens get their prior too. As
+    ``RecentThenCumulative(prefill_prior=ValuePrior(pool))`` (``recipes/ahakv.yaml``) it weights the prompt
+    rows once, as Algorithm 1 does. The pool size is not stated in the paper; ``pool=5`` is our default.
     """
 
     param_names = ("pool",)
