@@ -18,7 +18,8 @@ So keys are quantised per token, in groups of ``group`` channels, and never re-q
 error is fixed when it is written, ``<= scale / 2`` of its own groups, however many insertions follow. KIVI's reason for per-channel keys (a few outlier channels with much larger
 magnitude would set the scale of every per-token group they sit in) is kept by a static per-channel
 normalisation: at prefill each ``(b, h)`` key channel is divided by a power of two at least its
-largest magnitude in the prompt (exact in floating point, so no rounding is added), quantised per
+largest magnitude in the prompt (exact in floating point, so no rounding is added; only for a prompt of
+at least ``NORMALISER_MIN_TOKENS`` tokens per head, since a stream's first token is no sample), quantised per
 token, and multiplied back on dequantisation; an attention kernel can fold it into the query instead.
 On keys with two 20x outlier channels this brings int4 error on the other channels from 4x KIVI's
 per-channel error (plain per-token groups) to within 10% of it
@@ -37,6 +38,9 @@ import torch
 from evictlayers.kernels.quantization import BITS, dequantize_groups, quantize_groups
 from evictlayers.modules.dense_kv import batch_head_index
 from evictlayers.scoring import Component
+
+
+NORMALISER_MIN_TOKENS = 64  # prompt tokens a head needs before its key channels are normalised
 
 
 class QuantizedKV(Component):
@@ -105,13 +109,19 @@ class QuantizedKV(Component):
     ) -> QuantizedSlots:
         """Storage holding ``keys`` ``[B, H, N, D]`` / ``values`` ``[B, H, N, Dv]`` in ``N`` slots, with
         ``pos`` ``[B, H, N]`` (``-1`` = empty): every slot quantised, each head's ``residual`` newest
-        tokens by ``pos`` also kept exact. Sets the per-channel key normalisation from these keys."""
+        tokens by ``pos`` also kept exact. Sets the per-channel key normalisation from these keys when a
+        head holds at least ``NORMALISER_MIN_TOKENS`` of them (otherwise none: a stream's first token)."""
         batch, heads, slots, head_dim = keys.shape
         storage = self.allocate(batch, heads, slots, head_dim, values.shape[-1], keys.dtype, keys.device, layer=layer)
         magnitude = keys.float().abs().masked_fill((pos < 0)[..., None], 0).amax(2, keepdim=True)
         # 2**e with magnitude = m * 2**e, m in [0.5, 1): a power of two, so dividing by it is exact;
         # an all-zero channel gets e = 0, a scale of 1
-        storage.key_channel_scale = torch.ldexp(torch.ones_like(magnitude), torch.frexp(magnitude).exponent)
+        scale = torch.ldexp(torch.ones_like(magnitude), torch.frexp(magnitude).exponent)
+        # a few tokens say nothing about a channel's range: normalising by the first token of a stream
+        # blew its near-zero channels up into the outliers of every later key's groups (measured: int4
+        # streamed perplexity 31 -> 17,000 on the embedded model); below this many tokens, no normaliser
+        enough = (pos >= 0).sum(-1)[..., None, None] >= NORMALISER_MIN_TOKENS
+        storage.key_channel_scale = torch.where(enough, scale, torch.ones_like(scale))
         storage.key_codes, storage.key_scale, storage.key_zero = storage._quantize_keys(keys)
         storage.value_codes, storage.value_scale, storage.value_zero = storage._quantize(values)
         ring = storage.ring_slot.shape[-1]
