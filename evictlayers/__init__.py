@@ -5,7 +5,8 @@ from evictlayers.compose import Policy, Pyramid, Ramp, RecipeError, SlotStore, U
 from evictlayers.hf import EvictionCache, UnsupportedModelError, apply
 from evictlayers.modules import ClusterSketch, DenseKV, HeavyHitterSelector, QuantizedKV, RecentWindow, SinkTokens
 from evictlayers.scoring import (
-    Averaged, Cumulative, LowScoreCounter, RecentThenCumulative, StepGainSoftmax, ValuePrior, Windowed,
+    Averaged, Cumulative, KeyDiff, KeyNorm, LowScoreCounter, RecentThenCumulative, StepGainSoftmax, ValuePrior,
+    Windowed,
 )
 
 __all__ = [
@@ -15,6 +16,8 @@ __all__ = [
     "DenseKV",
     "EvictionCache",
     "HeavyHitterSelector",
+    "KeyDiff",
+    "KeyNorm",
     "LowScoreCounter",
     "Policy",
     "Pyramid",

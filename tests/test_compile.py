@@ -3,8 +3,8 @@
 The reference is the eager decode step (the same function run without ``torch.compile``), whose
 behaviour the rest of the suite pins against the unmodified model and the papers' algorithms; the
 eviction guard makes sure the 300 steps really evict. Compiling a step takes ~20 s on one core, so
-the default suite compiles two policies (one-at-a-time eviction, and the sort path with every scorer
-kind); the other shipped recipes compile in the slow suite.
+the default suite compiles three policies (one-at-a-time eviction, the sort path with every scorer
+kind, and key scorers sharing the budget); the other shipped recipes compile in the slow suite.
 """
 
 from __future__ import annotations
@@ -50,6 +50,13 @@ POLICIES = {
         el.HeavyHitterSelector(el.Windowed(8), el.StepGainSoftmax(), el.ValuePrior()),
         budget=0.5, drop=0.25,
     ),
+    # per-head state (KeyDiff's anchor), pooling, layer scope and a budget split between two selectors
+    "shared-budget-key-scorers": lambda: el.Policy(
+        el.SinkTokens(1),
+        el.HeavyHitterSelector(el.Windowed(4), pool=3, scope="layer", share=0.5),
+        el.HeavyHitterSelector(el.KeyDiff(), scope="layer", share=0.5),
+        budget=0.5,
+    ),
 }
 
 
@@ -71,7 +78,8 @@ def test_one_graph_no_recompiles_same_logits_as_eager(name):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["scissorhands", "ahakv", "h2o_averaged", "streaming_llm", "full"])
+@pytest.mark.parametrize("recipe", ["scissorhands", "ahakv", "h2o_averaged", "streaming_llm", "full", "keydiff", "knorm",
+                                    "snapkv", "tova"])
 def test_shipped_recipes_compile_without_recompiles(recipe):
     model = build("llama")
     policy = el.load_recipe(f"recipes/{recipe}.yaml")

@@ -56,7 +56,8 @@ def decode_step(
         most: the largest drop amount of any row (host int fixed at prefill; the victims' sort width).
         kv: the layer's storage slots (``DenseSlots``, ``QuantizedSlots``), ``C`` slots per head with at
             least one free slot per head.
-        pos: ``[B, H_kv, C]`` int64 original positions, ``-1`` = free. ``state``: ``[B, H_kv, C, ...]``.
+        pos: ``[B, H_kv, C]`` int64 original positions, ``-1`` = free. ``state``: the policy's per-slot
+            state ``[B, H_kv, C, ...]`` and per-head state ``[B, H_kv, ...]`` (``Policy.head_state_specs``).
         seen: ``[B]`` real tokens so far; budget: ``[B]`` per-head budget, ``None`` = never evict.
         query: ``[B, H_q, 1, D]``; key/value: ``[B, H_kv, 1, D]``; real: ``[B, 1]`` bool.
         sketch: the layer's ``ClusterSketch`` buffers (stream mode; ``salt`` a 0-d tensor, so layers
@@ -77,8 +78,8 @@ def decode_step(
     # index_put_ (not scatter_) so that inductor writes the graph inputs in place
     rows, cols = batch_head_index(slot)
     pos.index_put_((rows, cols, slot), new_pos)
-    for tensor in state.values():
-        tensor.index_put_((rows, cols, slot), torch.zeros((), dtype=tensor.dtype, device=tensor.device))
+    for name in policy.state_specs:  # per-slot state only: per-head state does not follow slots
+        state[name].index_put_((rows, cols, slot), torch.zeros((), dtype=state[name].dtype, device=slot.device))
 
     keys, values = kv.dense()
     gain = policy.score_gain(query_pos[:, None], budget)
@@ -94,13 +95,13 @@ def decode_step(
         merged = merge_with_exact(out, attention.lse, *terms)
         out = torch.where((query_pos >= 0)[:, None, None], merged, torch.zeros_like(merged))
     seen = seen + real[:, 0].long()
-    view = SlotView(pos=pos, seen=seen, budget=budget)
+    view = SlotView(pos=pos, seen=seen, budget=budget, keys=keys)
     rows = attention.mass[:, :, None]  # [B, H, 1, N]: the one query row is the step's whole mass
     if not policy.rows_needed:
         rows = rows[:, :, :0]
     observation = Observation(
         mass=attention.mass, rows=rows, row_pos=query_pos[:, None], values=values,
-        group_size=group_size, gqa_reduce=policy.gqa_reduce, keys=keys,
+        group_size=group_size, gqa_reduce=policy.gqa_reduce, keys=keys, inserted=slot[:, :, None],
     )
     policy.observe(state, observation, view)
     if budget is not None:
@@ -111,6 +112,8 @@ def decode_step(
                 sketch, keys.gather(2, along_slots(victims, keys)), values.gather(2, along_slots(victims, values)),
                 chosen, coins,
             )
+        if policy.head_state_specs:
+            policy.forget(state, keys.gather(2, along_slots(victims, keys)), chosen)
         pos.scatter_(2, victims, torch.where(chosen, -1, pos.gather(2, victims)))
     return out[:, :, None], seen
 

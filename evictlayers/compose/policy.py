@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from evictlayers.compose.allocation import Allocation, Uniform
+from evictlayers.compose.selection import SelectorSet
 from evictlayers.kernels import GQA_REDUCTIONS
 from evictlayers.modules import ClusterSketch, DenseKV, HeavyHitterSelector, Protection, QuantizedKV, RecentWindow
 from evictlayers.modules.cluster_sketch import TIE_TOLERANCE
@@ -35,6 +36,8 @@ class Policy(nn.Module):
     ``gqa_reduce`` combines the attention mass of the query heads sharing a KV head (sum/mean/max).
     ``storage`` is how the slots hold their keys and values: ``DenseKV()`` (the default, the model
     dtype) or ``QuantizedKV(bits, group, residual)``.
+    Several ``HeavyHitterSelector`` may share the unprotected slots, each with a ``share`` (fractions
+    summing to 1; ``compose/selection.py``): e.g. half by averaged attention, half by key diversity.
     ``ClusterSketch`` (ClusterGen) comes in two modes. ``mode="stream"`` is no selector: the tokens
     eviction frees are absorbed into a fixed-size sketch (Algorithm 1) and attention is the exact slots
     merged with the sketch; it needs a ``RecentWindow`` (or a ``HeavyHitterSelector``) to say which
@@ -80,9 +83,7 @@ class Policy(nn.Module):
                 raise ValueError(f"Policy has {kinds.count(kind)} {kind} modules; give it at most one")
         if len(sketches) > 1:
             raise ValueError(f"Policy has {len(sketches)} ClusterSketch modules; give it at most one")
-        if len(selectors) > 1:
-            names = ", ".join(f"{type(m).__name__}({m.extra_repr()})" for m in selectors)
-            raise ValueError(f"Policy has {len(selectors)} selectors ({names}); give it at most one")
+        selector_set = SelectorSet(selectors) if selectors else None
         self._check_sketch(sketches[0] if sketches else None, protections, selectors, budget)
         open_ended = [m for m in protections if m.params().get("size", 0) is None]
         if open_ended and selectors:
@@ -104,7 +105,7 @@ class Policy(nn.Module):
             )
         # the open-ended RecentWindow reserves last: it takes what the others leave
         self.protections = nn.ModuleList(sorted(protections, key=lambda m: m in open_ended))
-        self.selector = selectors[0] if selectors else None
+        self.selectors = selector_set
         # the stream-mode sketch: absorbs what eviction frees (a k-center sketch is the selector)
         self.sketch = sketches[0] if sketches and sketches[0].mode == "stream" else None
         self.budget = budget
@@ -181,7 +182,7 @@ class Policy(nn.Module):
         """The modules as a recipe lists them: protections, the selector, then a stream-mode sketch."""
         return [
             *self.protections,
-            *([self.selector] if self.selector is not None else []),
+            *(self.selectors.members if self.selectors is not None else []),
             *([self.sketch] if self.sketch is not None else []),
         ]
 
@@ -217,9 +218,7 @@ class Policy(nn.Module):
 
     def _check_fits(self, budget: torch.Tensor, where: str) -> None:
         reserved = self.reservations(budget)
-        if not reserved:
-            return
-        total = torch.stack(reserved).sum(0)
+        total = torch.stack(reserved).sum(0) if reserved else torch.zeros_like(budget)
         bad = (total > budget).nonzero().flatten()
         if len(bad):
             row = int(bad[0])
@@ -229,6 +228,19 @@ class Policy(nn.Module):
             raise ValueError(
                 f"Policy {where}: a budget of {int(budget[row])} tokens cannot hold the protected slots "
                 f"{parts} = {int(total[row])}; raise the budget or shrink the protections"
+            )
+        if self.selectors is None or len(self.selectors.members) == 1:
+            return
+        counts = torch.stack(self.selectors.counts(budget - total))  # [selectors, B]
+        bad = (counts < 1).any(0).nonzero().flatten()
+        if len(bad):
+            row = int(bad[0])
+            parts = ", ".join(
+                f"share {m.share:g} -> {int(c[row])}" for m, c in zip(self.selectors.members, counts, strict=True)
+            )
+            raise ValueError(
+                f"Policy {where}: the {int(budget[row] - total[row])} unprotected slots of a {int(budget[row])}-token "
+                f"budget cannot give every selector a slot ({parts}); raise the budget or change the shares"
             )
 
     def resolve_budget(self, prompt_len: torch.Tensor, layer_idx: int = 0, num_layers: int = 1) -> torch.Tensor | None:
@@ -266,17 +278,30 @@ class Policy(nn.Module):
     # ---- per-step scoring and ranking ----------------------------------------------------------
 
     @property
+    def selector(self) -> nn.Module | None:
+        """The policy's only selector, ``None`` without one (several: see ``selectors``)."""
+        if self.selectors is None or len(self.selectors.members) > 1:
+            return None
+        return self.selectors.members[0]
+
+    @property
     def state_specs(self) -> dict[str, tuple[int, ...]]:
-        return dict(self.selector.state_specs) if self.selector is not None else {}
+        """Per-slot state: ``[B, H_kv, C, *shape]`` float32 each, moving with its slot."""
+        return self.selectors.state_specs if self.selectors is not None else {}
+
+    @property
+    def head_state_specs(self) -> dict[str, tuple[int | str, ...]]:
+        """Per-head state: ``[B, H_kv, *shape]`` float32 each (``"head_dim"`` = the key width)."""
+        return self.selectors.head_state_specs if self.selectors is not None else {}
 
     @property
     def rows_needed(self) -> int:
         """How many of a step's last query rows the scorers read individually."""
-        return self.selector.rows_needed if self.selector is not None else 0
+        return self.selectors.rows_needed if self.selectors is not None else 0
 
     def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
         """``[B, Q]`` factor on the logits of the scoring softmax, or ``None`` to score with the model's."""
-        return self.selector.score_gain(query_pos, budget) if self.selector is not None else None
+        return self.selectors.score_gain(query_pos, budget) if self.selectors is not None else None
 
     @property
     def kcenter(self) -> ClusterSketch | None:
@@ -293,8 +318,14 @@ class Policy(nn.Module):
         """Let the scorers fold this step's attention (and, for k-center, the keys) into their state."""
         if self.kcenter is not None:
             self.kcenter.update(state, observation, view, candidates=self.candidates(view))
-        elif self.selector is not None:
-            self.selector.update(state, observation, view)
+        elif self.selectors is not None:
+            self.selectors.update(state, observation, view)
+
+    def forget(self, state: dict[str, torch.Tensor], keys: torch.Tensor, gone: torch.Tensor) -> None:
+        """Slots leave: ``keys`` ``[B, H_kv, n, D]`` where ``gone`` ``[B, H_kv, n]``; per-head state that
+        sums over held slots (``KeyDiff``'s anchor) drops them. Callers skip it without head state."""
+        if self.selectors is not None:
+            self.selectors.forget(state, keys, gone)
 
     def select_centres(self, state: dict[str, torch.Tensor], keys: torch.Tensor, view: SlotView) -> None:
         """After a multi-token step, before the top-``budget`` selection: greedy k-center over the
@@ -326,9 +357,14 @@ class Policy(nn.Module):
 
     def priority(self, state: dict[str, torch.Tensor], view: SlotView) -> torch.Tensor:
         """``[B, H_kv, N]`` float: higher is kept longer; protected slots ``+inf``, empty ``-inf``."""
-        if self.selector is not None:
-            rank = self.selector.score(state, view).float()
-        else:
+        protected = self.protected(view)
+        if self.selectors is None:
             rank = view.pos.float()
-        rank = rank.masked_fill(self.protected(view), math.inf)
+        elif len(self.selectors.members) == 1 or view.budget is None:
+            rank = self.selectors.rank(state, view, view.valid & ~protected, None)
+        else:
+            reserved = self.reservations(view.budget)
+            selectable = view.budget - (torch.stack(reserved).sum(0) if reserved else 0)
+            rank = self.selectors.rank(state, view, view.valid & ~protected, selectable)
+        rank = rank.masked_fill(protected, math.inf)
         return rank.masked_fill(~view.valid, -math.inf)

@@ -38,6 +38,8 @@ from evictlayers.scoring import (
     Averaged,
     Component,
     Cumulative,
+    KeyDiff,
+    KeyNorm,
     LowScoreCounter,
     RecentThenCumulative,
     StepGainSoftmax,
@@ -50,7 +52,7 @@ COMPONENTS: dict[str, type[Component]] = {
     for cls in (
         RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged, Uniform, Ramp, Pyramid,
         Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV, QuantizedKV, ClusterSketch,
-        RecentThenCumulative,
+        RecentThenCumulative, KeyDiff, KeyNorm,
     )
 }
 POLICY_KEYS = ("budget", "modules", "drop", "allocation", "gqa_reduce", "storage")

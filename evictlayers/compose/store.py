@@ -124,6 +124,7 @@ class SlotStore:
             return self._decode(query, key, value, real, scaling=scaling, softcap=softcap, sliding_window=sliding_window)
         query_pos = torch.where(real, self.seen[:, None] + real.long().cumsum(1) - 1, -1)
         new_pos = query_pos[:, None, :].expand(batch, kv_heads, q_len)
+        first_new = self.capacity  # the step's tokens follow the held slots in the concatenation
         keys, values, pos, state = self._concatenated(key, value, new_pos)
 
         # a later multi-token step (chunked prefill) after tokens were absorbed merges the sketch as a
@@ -148,10 +149,11 @@ class SlotStore:
             group_size=query.shape[1] // kv_heads,
             gqa_reduce=self.policy.gqa_reduce,
             keys=keys,
+            inserted=torch.arange(first_new, first_new + q_len, device=key.device).expand(batch, kv_heads, q_len),
         )
         self.seen = self.seen + real.sum(1)
         self.seq_len += q_len
-        view = SlotView(pos=pos, seen=self.seen, budget=self.budget)
+        view = SlotView(pos=pos, seen=self.seen, budget=self.budget, keys=keys)
         self.policy.observe(state, observation, view)
         self.policy.select_centres(state, keys, view)
         if self.kv is None:
@@ -255,23 +257,40 @@ class SlotStore:
             for name, shape in self.policy.state_specs.items()
         }
 
+    def _head_state(self, key: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The per-head state: held over from earlier steps, or zeros at the first."""
+        batch, heads, _, head_dim = key.shape
+        return {
+            name: self.state[name] if name in self.state else torch.zeros(
+                batch, heads, *(head_dim if size == "head_dim" else size for size in shape),
+                dtype=torch.float32, device=key.device,
+            )
+            for name, shape in self.policy.head_state_specs.items()
+        }
+
     def _concatenated(self, key, value, new_pos):
         batch, heads, q_len, _ = key.shape
         fresh = self._new_state(batch, heads, q_len, key.device)
+        head_state = self._head_state(key)
         if self.kv is None:
-            return key, value, new_pos.clone(), fresh
+            return key, value, new_pos.clone(), {**fresh, **head_state}
         keys, values = self.kv.dense()
         return (
             torch.cat([keys, key], dim=2),
             torch.cat([values, value], dim=2),
             torch.cat([self.pos, new_pos], dim=2),
-            {name: torch.cat([self.state[name], fresh[name]], dim=2) for name in fresh},
+            {**{name: torch.cat([self.state[name], fresh[name]], dim=2) for name in fresh}, **head_state},
         )
+
+    def _per_slot(self, state: dict[str, torch.Tensor], change) -> dict[str, torch.Tensor]:
+        """``state`` with ``change`` applied to the per-slot tensors; per-head ones kept as they are."""
+        slotted = self.policy.state_specs
+        return {name: change(t) if name in slotted else t for name, t in state.items()}
 
     def _grow(self, extra: int) -> None:
         self.kv.grow(extra)
         self.pos = _pad_slots(self.pos, extra, -1)
-        self.state = {name: _pad_slots(t, extra, 0.0) for name, t in self.state.items()}
+        self.state = self._per_slot(self.state, lambda t: _pad_slots(t, extra, 0.0))
 
     def _keep_best(self, slots, pos, state, view: SlotView) -> None:
         """After a multi-token step: keep each head's top-``budget`` slots in a ``budget + 1`` store.
@@ -285,19 +304,28 @@ class SlotStore:
         n_slots = pos.shape[2]
         priority = self.policy.priority(state, view)
         top = min(keep, n_slots)
-        order = priority.topk(top, dim=-1, sorted=True).indices  # [B, H, top]
+        # equal priorities keep the newest token, as a decode step evicts the oldest of a tie
+        newest_first = pos.argsort(dim=-1, descending=True, stable=True)
+        ranked = priority.gather(-1, newest_first).argsort(dim=-1, descending=True, stable=True)[..., :top]
+        order = newest_first.gather(-1, ranked)  # [B, H, top]
         # rows whose own budget is below the batch maximum drop their lowest-ranked picks
         rank_ok = torch.arange(top, device=pos.device)[None, None, :] < self.budget[:, None, None]
         spare = keep + 1 - top  # the capacity is budget + 1 whatever the step's width
         self.pos = _pad_slots(pos.gather(2, order).masked_fill(~rank_ok, -1), spare, -1)
-        if self.sketch is not None:
-            # everything the top-budget selection drops is absorbed (after the step's own exact attention)
+        if self.sketch is not None or self.policy.head_state_specs:
             kept_slots = torch.zeros_like(pos, dtype=torch.bool).scatter_(2, order, rank_ok.expand_as(order))
-            self._absorb_dropped(*slots.dense(), pos, (pos >= 0) & ~kept_slots)
+            dropped = (pos >= 0) & ~kept_slots
+            if self.sketch is not None:
+                # everything the top-budget selection drops is absorbed (after the step's own exact attention)
+                self._absorb_dropped(*slots.dense(), pos, dropped)
+            if self.policy.head_state_specs:
+                self.policy.forget(state, view.keys, dropped)
         self.kv = slots.gather(order)
         self.kv.grow(spare)
-        self.state = {name: _pad_slots(t.gather(2, along_slots(order, t)), spare, 0.0) for name, t in state.items()}
-        self.policy.settle(self.state, self.keys, SlotView(pos=self.pos, seen=self.seen, budget=self.budget))
+        self.state = self._per_slot(state, lambda t: _pad_slots(t.gather(2, along_slots(order, t)), spare, 0.0))
+        self.policy.settle(
+            self.state, self.keys, SlotView(pos=self.pos, seen=self.seen, budget=self.budget, keys=self.keys)
+        )
 
 
 def _pad_slots(tensor: torch.Tensor, extra: int, fill: float) -> torch.Tensor:

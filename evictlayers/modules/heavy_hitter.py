@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
+from torch.nn import functional as F
 
 from evictlayers.scoring import (
     Component,
@@ -29,16 +31,36 @@ class HeavyHitterSelector(Component):
     - ``HeavyHitterSelector(LowScoreCounter(window=w))`` with ``Policy(..., drop=0.5)``: Scissorhands;
     - ``HeavyHitterSelector(Windowed(32), StepGainSoftmax(), ValuePrior())``: AhaKV with Eq. 5 at every
       step (recipe ``ahakv_windowed``); ``HeavyHitterSelector(RecentThenCumulative(32), StepGainSoftmax())``
-      is Algorithm 1 as written (recipe ``ahakv``).
+      is Algorithm 1 as written (recipe ``ahakv``);
+    - ``HeavyHitterSelector(KeyDiff())`` / ``KeyNorm()``: key-geometry scores that need no attention.
+
+    Options beyond the seeds, each off by default:
+
+    - ``pool=w`` (odd, >= 3): before ranking, each slot's score becomes the ``pool_reduce`` (``"mean"``
+      or ``"max"``) of the scores of the ``w`` held tokens around it in position order (SnapKV, Li et
+      al. 2024, arXiv:2404.14469, Sec. 4.2 "clustering via pooling", kernel 5-7), so a multi-token
+      needle is kept whole rather than in fragments. Neighbours are the *held* tokens (at prefill, the
+      whole prompt, as in SnapKV; later the survivors), and the state itself stays unpooled.
+    - ``scope="layer"``: every KV head of the layer keeps the same tokens, ranked by the score averaged
+      over the heads (TOVA, Oren et al. 2024, arXiv:2401.06104, Sec. 3.2; ChunkKV's layer-wise index
+      reuse). The heads' slot layouts then stay identical, so slot ``j`` is the same token in every head.
+    - ``share=f``: the fraction of the unprotected slots this selector fills when a Policy holds several
+      selectors (see ``Policy``); ``None`` (the default) for a policy's only selector.
     """
 
-    param_names = ("accumulator", "transform", "prior")
+    param_names = ("accumulator", "transform", "prior", "pool", "pool_reduce", "scope", "share")
+    POOL_REDUCTIONS = ("mean", "max")
+    SCOPES = ("head", "layer")
 
     def __init__(
         self,
         accumulator: ScoreAccumulator,
         transform: ScoreTransform | None = None,
         prior: ScorePrior | None = None,
+        pool: int = 1,
+        pool_reduce: str = "mean",
+        scope: str = "head",
+        share: float | None = None,
     ):
         super().__init__()
         if not isinstance(accumulator, ScoreAccumulator):
@@ -62,13 +84,37 @@ class HeavyHitterSelector(Component):
             clash = set(accumulator.state_specs) & set(prior.state_specs)
             if clash:
                 raise ValueError(f"HeavyHitterSelector: accumulator and prior both name state {sorted(clash)}")
+        self._check_options(pool, pool_reduce, scope, share)
         self.accumulator = accumulator
         self.transform = transform
         self.prior = prior
+        self.pool, self.pool_reduce, self.scope, self.share = pool, pool_reduce, scope, share
+
+    @classmethod
+    def _check_options(cls, pool: Any, pool_reduce: Any, scope: Any, share: Any) -> None:
+        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1 or (pool > 1 and pool % 2 == 0):
+            raise ValueError(
+                f"HeavyHitterSelector(pool={pool!r}): the pooling width must be 1 (no pooling) or an odd int "
+                ">= 3 (a window centred on each token; SnapKV uses 5-7)"
+            )
+        if pool_reduce not in cls.POOL_REDUCTIONS:
+            raise ValueError(f"HeavyHitterSelector(pool_reduce={pool_reduce!r}): expected one of {cls.POOL_REDUCTIONS}")
+        if scope not in cls.SCOPES:
+            raise ValueError(
+                f"HeavyHitterSelector(scope={scope!r}): expected 'head' (each KV head keeps its own tokens) or "
+                "'layer' (the heads of a layer keep the same tokens)"
+            )
+        if share is not None and (isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share < 1):
+            raise ValueError(
+                f"HeavyHitterSelector(share={share!r}): a share is the fraction of the unprotected slots this "
+                "selector fills beside other selectors, a float in (0, 1); leave it None for a policy's only selector"
+            )
+
+    DEFAULTS = {"transform": None, "prior": None, "pool": 1, "pool_reduce": "mean", "scope": "head", "share": None}
 
     def params(self) -> dict[str, Any]:
-        # the optional parts appear only when set, so an H2O selector dumps as it always did
-        return {k: v for k, v in super().params().items() if k == "accumulator" or v is not None}
+        # options appear only when they differ from the default, so an H2O selector dumps as it always did
+        return {k: v for k, v in super().params().items() if k not in self.DEFAULTS or v != self.DEFAULTS[k]}
 
     @property
     def state_specs(self) -> dict[str, tuple[int, ...]]:
@@ -90,8 +136,44 @@ class HeavyHitterSelector(Component):
         if self.prior is not None:
             self.prior.update(state, observation, view)
 
+    @property
+    def head_state_specs(self) -> dict[str, tuple[int | str, ...]]:
+        return dict(self.accumulator.head_state_specs)
+
+    def forget(self, state: dict[str, torch.Tensor], keys: torch.Tensor, gone: torch.Tensor) -> None:
+        self.accumulator.forget(state, keys, gone)
+
     def score(self, state: dict[str, torch.Tensor], view: SlotView) -> torch.Tensor:
-        score = self.accumulator.score(state, view)
+        """``[B, H_kv, N]`` float32 ranking score (higher = keep) of each held slot."""
+        score = self.accumulator.score(state, view).float()
         if self.prior is not None:
             score = score * self.prior.weight(state, view)
+        if self.pool > 1:
+            score = pool_by_position(score, view.pos, self.pool, self.pool_reduce)
+        if self.scope == "layer":
+            held = view.valid
+            mean = (score * held).sum(1, keepdim=True) / held.sum(1, keepdim=True).clamp(min=1)
+            score = mean.expand_as(score)
         return score
+
+
+def pool_by_position(score: torch.Tensor, pos: torch.Tensor, width: int, reduce: str) -> torch.Tensor:
+    """``score`` ``[B, H, N]`` pooled over each slot's ``width`` neighbours among the held slots in
+    position order (``pos`` ``[B, H, N]``, ``-1`` = empty); empty slots neither give nor get a value.
+
+    Fixed-shape (a sort of the slot axis, a 1-d pooling, the inverse permutation), so it runs inside the
+    compiled decode step."""
+    batch, heads, n_slots = score.shape
+    held = pos >= 0
+    order = pos.masked_fill(~held, torch.iinfo(torch.long).max).argsort(-1)  # held slots first, by position
+    ranked = score.gather(-1, order).reshape(batch * heads, 1, n_slots)
+    ranked_held = held.gather(-1, order).reshape(batch * heads, 1, n_slots)
+    if reduce == "max":
+        pooled = F.max_pool1d(ranked.masked_fill(~ranked_held, -math.inf), width, stride=1, padding=width // 2)
+    else:
+        weight = ranked_held.float()
+        total = F.avg_pool1d(ranked.masked_fill(~ranked_held, 0.0), width, stride=1, padding=width // 2)
+        count = F.avg_pool1d(weight, width, stride=1, padding=width // 2)
+        pooled = total / count.clamp(min=1e-12)
+    pooled = pooled.reshape(batch, heads, n_slots)
+    return torch.empty_like(pooled).scatter_(-1, order, pooled).masked_fill(~held, 0.0)

@@ -1,10 +1,12 @@
-"""How important a token is: accumulators over the attention mass each slot receives, the softmax
-transform they score with, and per-slot priors."""
+"""How important a token is: accumulators over the attention mass each slot receives or over the
+slots' keys, the softmax transform they score with, and per-slot priors."""
 
 from evictlayers.scoring.accumulator import ScoreAccumulator
 from evictlayers.scoring.averaged import Averaged
 from evictlayers.scoring.component import Component
 from evictlayers.scoring.cumulative import Cumulative
+from evictlayers.scoring.key_diff import KeyDiff
+from evictlayers.scoring.key_norm import KeyNorm
 from evictlayers.scoring.low_score_counter import LowScoreCounter
 from evictlayers.scoring.recent_then_cumulative import RecentThenCumulative
 from evictlayers.scoring.step_gain import ScoreTransform, StepGainSoftmax
@@ -16,6 +18,8 @@ __all__ = [
     "Averaged",
     "Component",
     "Cumulative",
+    "KeyDiff",
+    "KeyNorm",
     "LowScoreCounter",
     "Observation",
     "RecentThenCumulative",

@@ -14,14 +14,23 @@ class ScoreAccumulator(Component):
     ``state_specs`` names the per-slot state tensors the accumulator needs and their trailing shape
     (``()`` for one float per slot); the slot store allocates them as ``[B, H_kv, C, *shape]`` float32,
     moves them with their slots and zeroes them when a slot is reused.
+    ``head_state_specs`` does the same for state kept once per (row, KV head), not per slot
+    (``[B, H_kv, *shape]``; a ``"head_dim"`` entry in the shape is the layer's key width): it does not
+    move with slots, so an accumulator that sums over its slots keeps it true with ``forget``.
     """
 
     state_specs: dict[str, tuple[int, ...]] = {}
+    head_state_specs: dict[str, tuple[int | str, ...]] = {}
     rows_needed: int = 0  # how many of a step's last query rows ``Observation.rows`` must hold
+    nonnegative: bool = True  # scores are attention mass (>= 0), so a multiplicative prior may weight them
 
     def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
         """Fold this step's attention into ``state`` in place."""
         raise NotImplementedError
+
+    def forget(self, state: dict[str, torch.Tensor], keys: torch.Tensor, gone: torch.Tensor) -> None:
+        """The slots whose keys are ``keys`` ``[B, H_kv, n, D]`` leave where ``gone`` ``[B, H_kv, n]``:
+        update per-head state that sums over the held slots (a no-op for per-slot state)."""
 
     def score(self, state: dict[str, torch.Tensor], view: SlotView) -> torch.Tensor:
         """``[B, H_kv, N]`` float importance of each slot."""

@@ -15,11 +15,14 @@ class SlotView:
         pos: ``[B, H_kv, N]`` int64 original position held by each slot, ``-1`` = empty.
         seen: ``[B]`` int64 real (non-padding) tokens seen per row, the current ones included.
         budget: ``[B]`` int64 slots this layer may keep per head, or ``None`` for an unbounded cache.
+        keys: ``[B, H_kv, N, D]`` the slots' keys (post-RoPE, dequantised), for scores computed from key
+            geometry (``KeyDiff``, ``KeyNorm``); ``None`` where the caller has none to give.
     """
 
     pos: torch.Tensor
     seen: torch.Tensor
     budget: torch.Tensor | None
+    keys: torch.Tensor | None = None
 
     @property
     def valid(self) -> torch.Tensor:
@@ -47,6 +50,9 @@ class Observation:
         gqa_reduce: how the group's probabilities were combined (``"sum"``, ``"mean"``, ``"max"``).
         keys: ``[B, H_kv, N, D]`` the slots' keys (post-RoPE), for key-fed scorers such as
             ``ClusterSketch(mode="kcenter")``; ``None`` where the caller has none to give.
+        inserted: ``[B, H_kv, n]`` int64 the slots this step wrote its ``n`` tokens to (a padding token's
+            slot holds position ``-1``), so per-slot facts about a key are computed once, on arrival;
+            ``None`` where the caller has none to give.
     """
 
     mass: torch.Tensor
@@ -56,3 +62,4 @@ class Observation:
     group_size: int
     gqa_reduce: str
     keys: torch.Tensor | None = None
+    inserted: torch.Tensor | None = None

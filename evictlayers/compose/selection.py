@@ -1,0 +1,153 @@
+"""The selectors of a Policy: one fills the slots the protections leave, or several split them by share.
+
+A policy with several selectors (``HeavyHitterSelector(Averaged(), share=0.5)`` beside
+``HeavyHitterSelector(KeyDiff(), share=0.5)``) keeps, after every step, each selector's top share of
+the unprotected slots by its own score: the first selector claims its ``n_1`` best, the second its
+``n_2`` best of the rest, and so on; the last selector's score ranks what no one claimed, so eviction
+(one ``argmin`` or a fixed-width sort in the decode step) takes the last selector's weakest unclaimed
+slot. Each selector sees a different signal (attention mass, key geometry), which no single score
+combines (issue #9: no single kvpress press holds on both prose and repeated-filler haystacks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch import nn
+
+from evictlayers.modules import ClusterSketch, HeavyHitterSelector
+from evictlayers.scoring import Observation, SlotView
+
+CLAIMED = torch.finfo(torch.float32).max  # above every score, below a protected slot's +inf
+
+
+class SelectorSet(nn.Module):
+    """One selector, or several ``HeavyHitterSelector`` with shares summing to 1 (validated here).
+
+    State names are the selector's own for a single selector and ``"<index>.<name>"`` for several, so
+    two selectors may use the same accumulator type."""
+
+    def __init__(self, selectors: list[nn.Module]):
+        super().__init__()
+        self.members = nn.ModuleList(selectors)
+        if len(selectors) == 1:
+            share = getattr(selectors[0], "share", None)
+            if share is not None:
+                raise ValueError(
+                    f"HeavyHitterSelector(share={share}) is the policy's only selector: a share splits the "
+                    "unprotected slots between several selectors; leave it None"
+                )
+            return
+        self._check_several(selectors)
+
+    @staticmethod
+    def _check_several(selectors: list[nn.Module]) -> None:
+        names = ", ".join(f"{type(m).__name__}({m.extra_repr()})" for m in selectors)
+        if not all(isinstance(m, HeavyHitterSelector) for m in selectors):
+            raise ValueError(
+                f"Policy has {len(selectors)} selectors ({names}); several selectors must all be "
+                "HeavyHitterSelector (ClusterSketch(mode='kcenter') is a policy's only selector)"
+            )
+        shares = [m.share for m in selectors]
+        if any(share is None for share in shares):
+            raise ValueError(
+                f"Policy has {len(selectors)} selectors ({names}) but not every one has a share: give each "
+                "HeavyHitterSelector a share (a fraction of the unprotected slots), summing to 1"
+            )
+        if abs(sum(shares) - 1.0) > 1e-6:
+            raise ValueError(f"Policy selectors' shares {shares} sum to {sum(shares):g}; they must sum to 1")
+        transforms = [m.transform for m in selectors if m.transform is not None]
+        if len(transforms) > 1:
+            raise ValueError(
+                f"Policy selectors have {len(transforms)} transforms ({transforms}); a step scores with one "
+                "softmax, so at most one selector may change it"
+            )
+        if len({m.scope for m in selectors}) > 1:
+            raise ValueError(
+                "Policy selectors mix scope='head' and scope='layer'; a layer-scoped selector needs every head "
+                "to hold the same tokens, which a head-scoped one breaks: give them all the same scope"
+            )
+
+    # ---- names ---------------------------------------------------------------------------------
+
+    def _prefix(self, index: int) -> str:
+        return "" if len(self.members) == 1 else f"{index}."
+
+    def _specs(self, attribute: str) -> dict[str, tuple]:
+        return {
+            self._prefix(i) + name: shape
+            for i, member in enumerate(self.members)
+            for name, shape in getattr(member, attribute, {}).items()
+        }
+
+    @property
+    def state_specs(self) -> dict[str, tuple[int, ...]]:
+        return self._specs("state_specs")
+
+    @property
+    def head_state_specs(self) -> dict[str, tuple[int | str, ...]]:
+        return self._specs("head_state_specs")
+
+    def _part(self, index: int, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The member's own state entries, under its own names (the same tensors, updated in place)."""
+        prefix = self._prefix(index)
+        if not prefix:
+            return state
+        return {name[len(prefix):]: tensor for name, tensor in state.items() if name.startswith(prefix)}
+
+    # ---- scoring -------------------------------------------------------------------------------
+
+    @property
+    def rows_needed(self) -> int:
+        return max(member.rows_needed for member in self.members)
+
+    def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
+        for member in self.members:
+            if getattr(member, "transform", None) is not None:
+                return member.score_gain(query_pos, budget)
+        return None
+
+    def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
+        n_rows = observation.rows.shape[2]
+        for index, member in enumerate(self.members):
+            # each member sees the last rows it asked for (the observation holds the most any asked for)
+            keep = min(member.rows_needed, n_rows)
+            own = dataclasses.replace(
+                observation, rows=observation.rows[:, :, n_rows - keep :], row_pos=observation.row_pos[:, n_rows - keep :]
+            )
+            member.update(self._part(index, state), own, view)
+
+    def forget(self, state: dict[str, torch.Tensor], keys: torch.Tensor, gone: torch.Tensor) -> None:
+        for index, member in enumerate(self.members):
+            if getattr(member, "head_state_specs", None):
+                member.forget(self._part(index, state), keys, gone)
+
+    def counts(self, selectable: torch.Tensor) -> list[torch.Tensor]:
+        """``[B]`` int64 slots each member fills out of ``selectable`` ``[B]`` unprotected slots: shares
+        rounded half up, the last member taking the remainder."""
+        if len(self.members) == 1:
+            return [selectable]
+        counts = [torch.floor(selectable.double() * m.share + 0.5).long() for m in self.members[:-1]]
+        return [*counts, selectable - sum(counts)]
+
+    def rank(
+        self, state: dict[str, torch.Tensor], view: SlotView, candidates: torch.Tensor, selectable: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``[B, H_kv, N]`` float32 priority of the ``candidates`` slots (higher = kept longer): a single
+        selector's score, or for several, ``CLAIMED`` on the slots an earlier member claims and the last
+        member's score elsewhere. ``selectable`` ``[B]``: unprotected slots of each row's budget."""
+        last = self.members[-1].score(self._part(len(self.members) - 1, state), view).float()
+        if len(self.members) == 1 or selectable is None:
+            return last
+        claimed = torch.zeros_like(candidates)
+        # equal scores claim the newest token first, as eviction takes the oldest of a tie
+        newest_first = view.pos.argsort(dim=-1, descending=True, stable=True)
+        places = torch.arange(view.pos.shape[-1], device=view.pos.device).expand_as(view.pos)
+        for index, (member, count) in enumerate(zip(self.members[:-1], self.counts(selectable))):
+            open_slots = candidates & ~claimed
+            score = member.score(self._part(index, state), view).float().masked_fill(~open_slots, -torch.inf)
+            order = newest_first.gather(-1, score.gather(-1, newest_first).argsort(dim=-1, descending=True, stable=True))
+            slot_rank = torch.empty_like(order).scatter_(-1, order, places)  # each slot's place in the ranking
+            claimed = claimed | (open_slots & (slot_rank < count[:, None, None]))
+        return torch.where(claimed, CLAIMED, last)

@@ -1,0 +1,193 @@
+"""KeyDiff, KeyNorm, pooling, layer-scoped and shared-budget selection against plain-loop references
+(tests/reference_retrieval.py): the retained set after prefill and after every decode step."""
+
+import pytest
+import torch
+
+import evictlayers as el
+from reference_retrieval import keydiff_scores, keynorm_scores, pooled, run_reference, split_keep
+
+
+def _retained(store: el.SlotStore, row: int = 0, head: int = 0) -> set[int]:
+    pos = store.pos[row, head]
+    return set(pos[pos >= 0].tolist())
+
+
+def _drive(policy: el.Policy, keys: torch.Tensor, prompt: int, heads: int = 1) -> tuple[el.SlotStore, list]:
+    """Feed ``keys`` ``[heads, n, d]`` (queries and values random) as a prefill of ``prompt`` tokens then
+    single steps; returns the store and its per-head retained sets after each step."""
+    n, d = keys.shape[1], keys.shape[2]
+    q, v = torch.randn(heads, n, d), torch.randn(heads, n, d)
+    store = el.SlotStore(policy)
+    history = []
+    for start, stop in [(0, prompt)] + [(i, i + 1) for i in range(prompt, n)]:
+        store.step(q[None, :, start:stop], keys[None, :, start:stop], v[None, :, start:stop], scaling=d**-0.5)
+        history.append([_retained(store, head=h) for h in range(heads)])
+    return store, history
+
+
+def _lowest_out(score_fn):
+    """keep_fn for one selector: drop the lowest scores (ties: the oldest goes first)."""
+    def keep(held, budget):
+        scores = score_fn(held)
+        return sorted(sorted(held, key=lambda j: (-scores[j], -j))[:budget])
+    return keep
+
+
+@pytest.mark.parametrize("accumulator,score_fn", [(el.KeyDiff(), keydiff_scores), (el.KeyNorm(), keynorm_scores)],
+                         ids=["keydiff", "keynorm"])
+@pytest.mark.parametrize("prompt,budget", [(20, 8), (5, 8), (1, 3)], ids=str)
+def test_key_scorer_matches_reference(accumulator, score_fn, prompt, budget):
+    torch.manual_seed(prompt * 7 + budget)
+    keys = torch.randn(1, 40, 16) + torch.tensor([2.0] + [0.0] * 15)  # a shared direction, as real keys have
+    _, history = _drive(el.Policy(el.HeavyHitterSelector(accumulator), budget=budget), keys, prompt)
+    expected = run_reference(keys[0], prompt, budget, _lowest_out(lambda held: score_fn(keys[0], held)))
+    assert [h[0] for h in history] == expected
+
+
+def test_keydiff_anchor_is_kept_incrementally():
+    """The per-head anchor equals the sum of the held keys' unit vectors after every step (no drift)."""
+    torch.manual_seed(3)
+    keys = torch.randn(2, 60, 8) + 1.0
+    store = el.SlotStore(el.Policy(el.HeavyHitterSelector(el.KeyDiff()), budget=10))
+    q, v = torch.randn(2, 60, 8), torch.randn(2, 60, 8)
+    store.step(q[None, :, :25], keys[None, :, :25], v[None, :, :25], scaling=0.3)
+    for i in range(25, 60):
+        store.step(q[None, :, i : i + 1], keys[None, :, i : i + 1], v[None, :, i : i + 1], scaling=0.3)
+        for head in range(2):
+            held = sorted(_retained(store, head=head))
+            expected = torch.stack([keys[head, j] / keys[head, j].norm() for j in held]).sum(0)
+            torch.testing.assert_close(store.state["anchor"][0, head], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_keydiff_keeps_the_odd_key_among_repeats():
+    """A needle among near-identical filler keys survives a 25% budget (KeyDiff's motivation)."""
+    torch.manual_seed(4)
+    filler = torch.randn(1, 1, 8)
+    keys = filler + 0.05 * torch.randn(1, 64, 8)
+    keys[0, 20] = torch.randn(8)  # the needle
+    _, history = _drive(el.Policy(el.HeavyHitterSelector(el.KeyDiff()), budget=16), keys, prompt=48)
+    assert all(20 in h[0] for h in history)
+
+
+@pytest.mark.parametrize("reduce", ["mean", "max"])
+def test_pooled_selection_matches_reference(reduce):
+    torch.manual_seed(5)
+    keys = torch.randn(1, 36, 8) * 2
+    policy = el.Policy(el.HeavyHitterSelector(el.KeyNorm(), pool=5, pool_reduce=reduce), budget=10)
+    _, history = _drive(policy, keys, prompt=24)
+    keep = _lowest_out(lambda held: pooled(keynorm_scores(keys[0], held), 5, reduce))
+    assert [h[0] for h in history] == run_reference(keys[0], 24, 10, keep)
+
+
+def test_pooling_keeps_a_multi_token_needle_whole():
+    """Three adjacent needle tokens, one of them unremarkable on its own: pooling keeps all three."""
+    keys = torch.ones(1, 40, 4)
+    keys[0, :, 0] = torch.linspace(1.0, 1.2, 40)  # filler norms: gently rising
+    keys[0, 15:18] = torch.tensor([[0.1, 0, 0, 0], [3.0, 0, 0, 0], [0.1, 0, 0, 0]])  # small norms around a big one
+    unpooled = _drive(el.Policy(el.HeavyHitterSelector(el.KeyNorm()), budget=6), keys, prompt=40)[1][-1][0]
+    pooled_set = _drive(el.Policy(el.HeavyHitterSelector(el.KeyNorm(), pool=3), budget=6), keys, prompt=40)[1][-1][0]
+    assert {15, 17} <= unpooled and 16 not in unpooled
+    assert {15, 16, 17} <= pooled_set
+
+
+def test_layer_scope_keeps_the_same_tokens_in_every_head():
+    torch.manual_seed(6)
+    keys = torch.randn(3, 40, 8) + 1.0
+    policy = el.Policy(el.HeavyHitterSelector(el.KeyDiff(), scope="layer"), budget=9)
+    store, history = _drive(policy, keys, prompt=20, heads=3)
+
+    def mean_over_heads(held):
+        per_head = [keydiff_scores(keys[h], held) for h in range(3)]
+        return {j: sum(s[j] for s in per_head) / 3 for j in held}
+
+    expected = run_reference(keys[0], 20, 9, _lowest_out(mean_over_heads))
+    assert [h[0] for h in history] == expected
+    assert all(h[0] == h[1] == h[2] for h in history)
+    assert torch.equal(store.pos[0, 0], store.pos[0, 2])  # identical slot layouts, not just sets
+
+
+@pytest.mark.parametrize("shares", [(0.5, 0.5), (0.25, 0.75), (0.7, 0.3)], ids=str)
+def test_selectors_split_the_budget_by_share(shares):
+    torch.manual_seed(7)
+    keys = torch.randn(1, 50, 8) + 1.5
+    policy = el.Policy(
+        el.HeavyHitterSelector(el.KeyNorm(), share=shares[0]),
+        el.HeavyHitterSelector(el.KeyDiff(), share=shares[1]),
+        budget=12,
+    )
+    _, history = _drive(policy, keys, prompt=30)
+    fns = [lambda held: keynorm_scores(keys[0], held), lambda held: keydiff_scores(keys[0], held)]
+    expected = run_reference(keys[0], 30, 12, lambda held, budget: split_keep(fns, shares, held, budget))
+    assert [h[0] for h in history] == expected
+
+
+def test_shares_after_protections_and_two_selectors_of_one_type():
+    """Shares split what a RecentWindow leaves; two KeyNorm selectors keep separate (prefixed) state."""
+    torch.manual_seed(8)
+    keys = torch.randn(1, 40, 8)
+    policy = el.Policy(
+        el.RecentWindow(4),
+        el.HeavyHitterSelector(el.KeyNorm(), share=0.5),
+        el.HeavyHitterSelector(el.KeyNorm(), pool=3, share=0.5),
+        budget=12,
+    )
+    store, history = _drive(policy, keys, prompt=25)
+    assert set(store.state) == {"0.key_norm", "1.key_norm"}
+    fns = [lambda held: keynorm_scores(keys[0], held), lambda held: pooled(keynorm_scores(keys[0], held), 3, "mean")]
+
+    def keep(held, budget):
+        recent = [j for j in held if j > max(held) - 4]
+        rest = [j for j in held if j not in recent]
+        return sorted(recent + split_keep(fns, (0.5, 0.5), rest, budget - 4, held=held))
+
+    assert [h[0] for h in history] == run_reference(keys[0], 25, 12, keep)
+
+
+def test_shared_budget_round_trips_through_yaml(tmp_path):
+    policy = el.Policy(
+        el.SinkTokens(4),
+        el.HeavyHitterSelector(el.Averaged(), pool=7, pool_reduce="max", share=0.5),
+        el.HeavyHitterSelector(el.KeyDiff(), scope="head", share=0.5),
+        budget=0.2,
+    )
+    path = tmp_path / "hybrid.yaml"
+    el.dump_recipe(policy, path)
+    assert el.load_recipe(path) == policy
+    assert "scope" not in path.read_text()  # defaults stay out of the file
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"pool": 4}, "odd int >= 3"),
+        ({"pool": 0}, "odd int >= 3"),
+        ({"pool_reduce": "median"}, "pool_reduce='median'"),
+        ({"scope": "row"}, "scope='row'"),
+        ({"share": 1.5}, "float in (0, 1)"),
+    ],
+    ids=str,
+)
+def test_bad_selector_options_are_named(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        el.HeavyHitterSelector(el.KeyDiff(), **kwargs)
+
+
+def test_bad_policies_with_several_selectors_are_named():
+    with pytest.raises(ValueError, match="only selector"):
+        el.Policy(el.HeavyHitterSelector(el.KeyDiff(), share=0.5), budget=8)
+    with pytest.raises(ValueError, match="not every one has a share"):
+        el.Policy(el.HeavyHitterSelector(el.KeyDiff(), share=0.5), el.HeavyHitterSelector(el.KeyNorm()), budget=8)
+    with pytest.raises(ValueError, match="sum to 0.9"):
+        el.Policy(el.HeavyHitterSelector(el.KeyDiff(), share=0.5), el.HeavyHitterSelector(el.KeyNorm(), share=0.4))
+    with pytest.raises(ValueError, match="mix scope"):
+        el.Policy(el.HeavyHitterSelector(el.KeyDiff(), share=0.5, scope="layer"),
+                  el.HeavyHitterSelector(el.KeyNorm(), share=0.5))
+    with pytest.raises(ValueError, match="one softmax"):
+        el.Policy(el.HeavyHitterSelector(el.Cumulative(), el.StepGainSoftmax(), share=0.5),
+                  el.HeavyHitterSelector(el.Averaged(), el.StepGainSoftmax(), share=0.5))
+    with pytest.raises(ValueError, match=r"3 unprotected slots of a 5-token budget cannot give every selector"):
+        el.Policy(el.RecentWindow(2), el.HeavyHitterSelector(el.KeyDiff(), share=0.9),
+                  el.HeavyHitterSelector(el.KeyNorm(), share=0.1), budget=5)
+    with pytest.raises(ValueError, match="not non-negative attention mass"):
+        el.HeavyHitterSelector(el.KeyDiff(), prior=el.ValuePrior())
