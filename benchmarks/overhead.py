@@ -1,9 +1,12 @@
 """``overhead``: one decode step of one layer's slot store against plain SDPA over the same slots.
 
-The slot store (``evictlayers.compose.SlotStore``) runs H2O at a budget of ``slots - 1`` tokens, so
-its ``slots``-slot buffer is full and every step inserts the new token, attends over all slots with
-the per-slot mass, updates the accumulated scores and evicts one token: the steady state of a long
-generation. The baseline is ``torch.nn.functional.scaled_dot_product_attention`` of one query over
+The slot store (``evictlayers.compose.SlotStore``) runs a recipe at a budget of ``slots - 1`` tokens,
+so its ``slots``-slot buffer is full and every step inserts the new token, attends over all slots with
+the per-slot mass, updates the scores and evicts one token: the steady state of a long generation.
+``el-<recipe>`` is the recipe's eager step, ``el-<recipe>-compiled`` its compiled one: H2O (attention
+mass), and the key-geometry scorers of issue #9 (KeyDiff reads every held key once per step for its
+cosines, its anchor updated incrementally; KeyNorm reads one stored norm per slot) and the
+``tova_keydiff`` split (two rankings, a sort for the first selector's claims). The baseline is ``torch.nn.functional.scaled_dot_product_attention`` of one query over
 the same number of keys (no scoring, no eviction). Shapes are SmolLM2's: 9 query heads, 3 KV heads,
 head dim 64, float32. The value is the median over ``repeats`` blocks of the mean step time.
 """
@@ -19,7 +22,10 @@ NAME = "overhead"
 BASELINE = "sdpa"
 DEFAULT_REPEATS = 5
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
-CONFIGS = ("sdpa", "el-h2o", "el-h2o-compiled")
+CONFIGS = (
+    "sdpa", "el-h2o", "el-h2o-compiled", "el-keydiff", "el-keydiff-compiled", "el-knorm-compiled",
+    "el-tova_keydiff-compiled",
+)
 STEP_OVERHEAD_S = 2e-3  # the eager store's small ops per step, for the estimate only
 
 
@@ -41,12 +47,17 @@ def random_step(batch: int, generator: torch.Generator) -> tuple[torch.Tensor, .
     return query, key, value
 
 
-def filled_layer(slots: int):
-    """A batch-1 H2O cache layer whose ``slots`` slots hold ``slots - 1`` tokens of a random prompt
-    (the transformers cache layer around a ``SlotStore``, for its ``reorder_cache`` tiling)."""
+def recipe_of(config: str) -> str:
+    """``el-keydiff-compiled`` -> ``keydiff``."""
+    return config.removeprefix("el-").removesuffix("-compiled")
+
+
+def filled_layer(slots: int, name: str = "h2o"):
+    """A batch-1 cache layer under recipe ``name`` whose ``slots`` slots hold ``slots - 1`` tokens of a
+    random prompt (the transformers cache layer around a ``SlotStore``, for its ``reorder_cache`` tiling)."""
     from evictlayers.hf.cache import EvictionLayer
 
-    layer = EvictionLayer(recipe("h2o", budget=slots - 1))
+    layer = EvictionLayer(recipe(name, budget=slots - 1))
     generator = torch.Generator().manual_seed(slots)
     query = torch.randn(1, Q_HEADS, slots, HEAD_DIM, generator=generator)
     key, value = (torch.randn(1, KV_HEADS, slots, HEAD_DIM, generator=generator) for _ in range(2))
@@ -70,7 +81,7 @@ def cases(context: Context) -> list[Case]:
     settings = context.settings
     slot_counts, batches, warmup, steps = sizes(settings.quick)
     repeats = settings.repeats_for(DEFAULT_REPEATS)
-    layers: dict[int, object] = {}  # the batch-1 prefilled layer of each slot count
+    layers: dict[tuple[int, str], object] = {}  # the batch-1 prefilled layer of a slot count and recipe
 
     def measure(config: str, slots: int, batch: int) -> dict:
         params = {"slots": slots, "batch": batch}
@@ -85,10 +96,12 @@ def cases(context: Context) -> list[Case]:
             def step():
                 torch.nn.functional.scaled_dot_product_attention(query, keys, values, enable_gqa=True)
         else:
-            if slots not in layers:
-                layers.clear()  # one slot count at a time
-                layers[slots] = filled_layer(slots)
-            source = layers[slots]
+            name = recipe_of(config)
+            if (slots, name) not in layers:
+                if any(held != slots for held, _ in layers):
+                    layers.clear()  # one slot count at a time
+                layers[(slots, name)] = filled_layer(slots, name)
+            source = layers[(slots, name)]
             layer = tiled(source, batch, keep=[source.store.policy])
             layer.store.compile = config.endswith("-compiled")
 
