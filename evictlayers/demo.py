@@ -24,7 +24,7 @@ from evictlayers.models import load_default
 RECIPES = Path(__file__).resolve().parent.parent / "recipes"
 DEFAULT_RECIPES = (
     "full", "local", "streaming_llm", "h2o", "h2o_averaged", "scissorhands", "ahakv", "h2o_int4", "scissorhands_int4",
-    "clustergen",
+    "clustergen", "keydiff", "tova_keydiff",
 )
 
 
