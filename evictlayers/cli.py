@@ -27,7 +27,9 @@ TASK_OPTIONS: dict[str, tuple[str, ...]] = {
     "n_prompts": ("lines",),
     "n_lines": ("lines",),
     "max_new_tokens": ("passkey", "lines"),
-    "data": ("perplexity", "agreement"),
+    "haystack": ("passkey",),
+    "chat": ("passkey",),
+    "data": ("passkey", "perplexity", "agreement"),
     "n_docs": ("perplexity", "agreement"),
     "doc_tokens": ("perplexity", "agreement"),
     "start": ("perplexity", "agreement"),
@@ -101,13 +103,17 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--lengths", type=_positive, nargs="+", default=None, help="prompt lengths in tokens (1000)")
     group.add_argument("--depths", type=_positive, default=None, help="number of evenly spaced key depths (8)")
     group.add_argument("--per-cell", type=_positive, default=None, help="prompts per length x depth (1)")
+    group.add_argument("--haystack", choices=("filler", "prose"), default=None,
+                       help="repeated filler sentences (default) or sentences of the --data-dir books")
+    group.add_argument("--chat-format", dest="chat", action="store_const", const=True, default=None,
+                       help="wrap each prompt in the tokenizer's chat template")
     group = ev.add_argument_group("lines")
     group.add_argument("--n-prompts", type=_positive, default=None, help="prompts (16)")
     group.add_argument("--n-lines", type=_positive, default=None, help="lines per record (20)")
     group = ev.add_argument_group("passkey and lines")
     group.add_argument("--max-new-tokens", type=_positive, default=None, help="tokens generated per prompt (8)")
     group.add_argument("--seed", type=int, default=None, help="prompt seed (0)")
-    group = ev.add_argument_group("perplexity and agreement")
+    group = ev.add_argument_group("perplexity and agreement (and passkey --haystack prose)")
     group.add_argument("--data-dir", dest="data", type=Path, default=None,
                        help="directory of .txt documents (default: $EVICTLAYERS_DATA, else "
                             "../shared/data/pg19-sample next to the repository)")
@@ -133,6 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
     cl.add_argument("--data-dir", dest="data", type=Path, default=None, help="directory of .txt books")
     cl.add_argument("--devices", type=_positive, default=1, help="processes (Lightning DDP on CPU)")
     cl.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline, not the claims")
+    cl.add_argument("--only", type=lambda t: [k for k in t.split(",") if k], default=None, metavar="KEYS",
+                    help="re-run only these experiments (comma-separated keys, e.g. retrieval_filler,stream); "
+                         "the others are kept from the saved artifacts")
+    cl.add_argument("--recipes", type=lambda t: [k for k in t.split(",") if k], default=None, metavar="NAMES",
+                    help="re-run only these recipes (comma-separated); their runs replace the saved ones, "
+                         "and the report says which runs were measured when")
     cl.add_argument("--render-only", action="store_true",
                     help="rebuild the report from the artifacts of an earlier run, evaluating nothing")
     cl.add_argument("--no-progress", action="store_true", help="no progress bars")
@@ -249,8 +261,8 @@ def _cmd_claims(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
         artifacts = args.artifacts or args.doc.with_suffix("")
         claims.main(doc=args.doc, artifacts=artifacts, data=args.data, model_name=args.model, devices=args.devices,
                     threads=args.threads, quick=args.quick, progress=not args.no_progress,
-                    render_only=args.render_only, compile=args.compile)
-    except FileNotFoundError as error:
+                    render_only=args.render_only, compile=args.compile, only=args.only, recipes=args.recipes)
+    except (FileNotFoundError, ValueError) as error:
         parser.error(str(error))
     return 0
 

@@ -62,6 +62,10 @@ def _error(capsys, argv) -> str:
         (["eval", "/no/such/recipe.yaml", "--task", "passkey", "--out", "x"],
          "recipe '/no/such/recipe.yaml' not found"),
         (["generate", "h2o", "hi", "--budget", "-1"], "bad budget '-1'"),
+        (["eval", "h2o", "--task", "lines", "--haystack", "prose", "--out", "x"],
+         "--haystack does not apply to --task lines (it applies to: passkey)"),
+        (["claims", "--only", "retrieval,stream", "--render-only"],
+         "unknown experiment(s) ['retrieval']; the experiments are stream, passkey, lines, retrieval_filler"),
     ],
 )
 def test_bad_input_is_a_clear_error(capsys, argv, expected):

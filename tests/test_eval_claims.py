@@ -81,6 +81,7 @@ def partial_recipes(tmp_path, monkeypatch):
 
 def test_report_end_to_end_on_a_tiny_model(partial_recipes, tmp_path):
     tok = char_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the prose haystack's chat format
     doc = tmp_path / "docs" / "results.md"
     text = claims.main(doc=doc, quick=True, progress=False, model=tiny_llama(len(tok)), tokenizer=tok, threads=1,
                        model_name="tiny")
@@ -97,4 +98,9 @@ def test_report_end_to_end_on_a_tiny_model(partial_recipes, tmp_path):
                  "verdicts.json"):
         assert (artifacts / name).is_file(), name
     assert "](results/passkey_score_vs_budget.png)" in text
+    # the retrieval section runs every recipe of the directory on both haystacks and lines at 10/20/50%
+    for name in ("retrieval_filler.json", "retrieval_prose.json", "retrieval_lines.json"):
+        assert (artifacts / name).is_file(), name
+    assert "## Retrieval under a budget (issue #9)" in text
+    assert "| h2o_averaged |" in text.split("## Retrieval under a budget")[1].split("Best recipe")[0]
     assert "QUICK MODE" in text

@@ -168,3 +168,35 @@ def test_full_cache_model_finds_most_keys(default_model):
     texts = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
     correct = sum(score_passkey(t, p.answer) for t, p in zip(texts, prompts))
     assert correct >= 6, list(zip(texts, [p.answer for p in prompts]))
+
+
+BOOK = " ".join(
+    f"Sentence {i} of the made-up book tells of {'ships' if i % 2 else 'hills'} and weather number {i}."
+    for i in range(3000)
+)
+
+
+def test_prose_haystack_uses_book_sentences_at_the_depth():
+    texts = [("a.txt", BOOK), ("b.txt", BOOK.replace("made-up", "invented"))]
+    prompts = passkey_prompts(WordTokenizer(), n_prompts=4, target_tokens=400, seed=3, haystack="prose", texts=texts)
+    for prompt in prompts:
+        assert abs(prompt.n_tokens - 400) <= 25  # within about one sentence (~21 words)
+        key = passkey.key_sentence(prompt.answer)
+        assert prompt.text.count(key) == 1
+        before, after = prompt.text.split(key)
+        n_before = before.count("Sentence ")
+        n_after = after.count("Sentence ")
+        assert abs(n_before / (n_before + n_after) - prompt.depth) <= 0.1
+        assert "grass is green" not in prompt.text
+    assert "invented" in prompts[1].text and "made-up" in prompts[0].text  # prompt i takes book i % 2
+    first = [re.search(r"Sentence (\d+)", p.text).group(1) for p in prompts]
+    assert len(set(first)) == 4  # each prompt starts at its own offset
+    again = passkey_prompts(WordTokenizer(), n_prompts=4, target_tokens=400, seed=3, haystack="prose", texts=texts)
+    assert [p.text for p in again] == [p.text for p in prompts]
+
+
+def test_prose_haystack_errors_name_the_problem():
+    with pytest.raises(ValueError, match="haystack='poetry'"):
+        passkey_prompts(WordTokenizer(), haystack="poetry")
+    with pytest.raises(ValueError, match="needs texts"):
+        passkey_prompts(WordTokenizer(), haystack="prose")

@@ -15,12 +15,13 @@ import json
 import os
 import platform
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from evictlayers.eval.metrics import histogram_evenness
 from evictlayers.eval.report import markdown_table, plot_positions, plot_score_vs_budget
-from evictlayers.eval.runner import PolicySpec, evaluate, inline_spec, recipes_dir, resolve_recipe
+from evictlayers.eval.retrieval_report import retrieval_section
+from evictlayers.eval.runner import PolicySpec, available_recipes, evaluate, inline_spec, recipes_dir, resolve_recipe
 
 __all__ = ["CLAIMS", "EXPERIMENTS", "INLINE_RECIPES", "main", "render", "run_experiments"]
 
@@ -53,6 +54,10 @@ class Experiment:
     batch_size: int
 
 
+SHIPPED = ()  # an experiment whose ``policies`` is SHIPPED runs every recipe in the recipes directory
+RETRIEVAL_BUDGETS = (0.1, 0.2, 0.5)
+RETRIEVAL_PROMPT_TOKENS = 1000
+
 EXPERIMENTS: tuple[Experiment, ...] = (
     Experiment(
         key="stream",
@@ -83,7 +88,37 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         quick_options={"n_prompts": 2, "n_lines": 3},
         batch_size=8,
     ),
+    # issue #9's retrieval section: every shipped recipe, two haystacks and lines, three budgets
+    Experiment(
+        key="retrieval_filler",
+        task="passkey",
+        policies=SHIPPED,
+        budgets=RETRIEVAL_BUDGETS,
+        options={"lengths": [RETRIEVAL_PROMPT_TOKENS], "depths": 8},
+        quick_options={"lengths": [300], "depths": 2},
+        batch_size=8,
+    ),
+    Experiment(
+        key="retrieval_prose",
+        task="passkey",
+        policies=SHIPPED,
+        budgets=RETRIEVAL_BUDGETS,
+        options={"lengths": [RETRIEVAL_PROMPT_TOKENS], "depths": 8, "haystack": "prose", "chat": True},
+        quick_options={"lengths": [300], "depths": 2, "haystack": "prose", "chat": True},
+        batch_size=8,
+    ),
+    Experiment(
+        key="retrieval_lines",
+        task="lines",
+        policies=SHIPPED,
+        budgets=RETRIEVAL_BUDGETS,
+        options={"n_prompts": 16, "n_lines": 10},
+        quick_options={"n_prompts": 2, "n_lines": 3},
+        batch_size=8,
+    ),
 )
+# the stream experiment also runs the recipes added after the seed papers (language modelling beside retrieval)
+STREAM_EXTRA = ("keydiff", "knorm", "snapkv", "tova", "tova_keydiff")
 
 
 def _spec(name: str) -> PolicySpec | str:
@@ -99,33 +134,92 @@ def _spec(name: str) -> PolicySpec | str:
         return f"recipes/{name}.yaml does not load: {str(error).splitlines()[-1].strip()}"
 
 
+def experiment_policies(experiment: Experiment) -> tuple[str, ...]:
+    """The recipe names an experiment runs (``SHIPPED``: every recipe found, ``full`` first)."""
+    if experiment.policies is SHIPPED:
+        names = available_recipes()
+        return tuple(sorted(names, key=lambda n: n != "full"))
+    if experiment.key == "stream":
+        return experiment.policies + tuple(n for n in STREAM_EXTRA if n not in experiment.policies)
+    return experiment.policies
+
+
 def run_experiments(model, tokenizer, data=None, devices: int = 1, threads: int | None = None, quick: bool = False,
                     progress: bool = True, model_name: str = "default", log=print,
-                    compile: bool = False) -> tuple[dict, dict]:
-    """Run every experiment with the recipes available; returns ``(results by key, unavailable)``
-    where ``unavailable`` maps a recipe name to the reason it was not run."""
+                    compile: bool = False, only: Sequence[str] | None = None,
+                    recipes: Sequence[str] | None = None) -> tuple[dict, dict]:
+    """Run the experiments (``only`` these keys, default all) with the recipes available (``recipes``:
+    only these names); returns ``(results by key, unavailable)`` where ``unavailable`` maps a recipe
+    name to the reason it was not run."""
     results, unavailable = {}, {}
     for experiment in EXPERIMENTS:
+        if only is not None and experiment.key not in only:
+            continue
         specs = []
-        for name in experiment.policies:
+        for name in experiment_policies(experiment):
+            if recipes is not None and name not in recipes:
+                continue
             spec = _spec(name)
             if isinstance(spec, str):
                 unavailable[name] = spec
             else:
                 specs.append(spec)
         options = dict(experiment.quick_options if quick else experiment.options)
-        if experiment.task in ("perplexity", "agreement") and data is not None:
+        if data is not None and (experiment.task in ("perplexity", "agreement") or options.get("haystack") == "prose"):
             options["data"] = data
         log(f"[claims] {experiment.key}: {experiment.task} with {', '.join(s.name for s in specs)} "
             f"at budgets {list(experiment.budgets)}")
         started = time.perf_counter()
-        results[experiment.key] = evaluate(
-            model, tokenizer, specs, experiment.task, budgets=list(experiment.budgets), task_options=options,
-            batch_size=experiment.batch_size, devices=devices, threads=threads, progress=progress,
-            model_name=model_name, compile=compile,
-        )
+        shortest = _shortest_prompt(tokenizer, experiment.task, options)
+        merged = None
+        for index, budget in enumerate(experiment.budgets):
+            # the full cache runs once; a recipe whose protections do not fit a budget is skipped there
+            fits = [spec for spec in specs if (index == 0 or not spec.is_full)
+                    and _fits(spec, budget, shortest, model.config.num_hidden_layers, unavailable)]
+            if not fits:
+                continue
+            part = evaluate(
+                model, tokenizer, fits, experiment.task, budgets=[budget], task_options=options,
+                batch_size=experiment.batch_size, devices=devices, threads=threads, progress=progress,
+                model_name=model_name, compile=compile,
+            )
+            merged = part if merged is None else {
+                **merged, "runs": merged["runs"] + part["runs"], "budgets": [*merged["budgets"], budget],
+                "wall_seconds": merged["wall_seconds"] + part["wall_seconds"],
+            }
+        results[experiment.key] = merged
         log(f"[claims] {experiment.key}: {time.perf_counter() - started:.0f} s")
     return results, unavailable
+
+
+def _shortest_prompt(tokenizer, task: str, options: dict) -> int | None:
+    """The fewest tokens of any prompt of a generation task (``None`` for a stream: budgets are fractions
+    of its document length, which every recipe fits)."""
+    if task not in ("passkey", "lines"):
+        return None
+    from evictlayers.eval.suite import make_task
+
+    task_options = {k: v for k, v in options.items() if k != "data" or options.get("haystack") == "prose"}
+    rows = make_task(task, tokenizer, **task_options).rows()
+    return min(len(tokenizer.encode(row["text"])) for row in rows)
+
+
+def _fits(spec: PolicySpec, budget: float, shortest: int | None, num_layers: int, unavailable: dict) -> bool:
+    """Whether ``spec`` can run at ``budget`` on a prompt of ``shortest`` tokens; records why not."""
+    if spec.is_full or shortest is None:
+        return True
+    import torch
+
+    from evictlayers.eval.runner import with_budget
+
+    try:
+        policy = with_budget(spec.policy, budget)
+        for layer in range(num_layers):
+            policy.resolve_budget(torch.tensor([shortest]), layer, num_layers)
+    except (TypeError, ValueError) as error:
+        unavailable[f"{spec.name}@{budget:.0%}"] = f"does not fit a {shortest}-token prompt: {error}"
+        return False
+    return True
 
 
 # ---- judging -------------------------------------------------------------------------------------
@@ -539,7 +633,7 @@ def render(results: dict, unavailable: dict, verdicts: list[tuple[Claim, Verdict
         "",
     ]
     if unavailable:
-        out += ["Not run (pending components):", ""]
+        out += ["Not run (a pending component, or protections that do not fit the budget of the shortest prompt):", ""]
         out += [f"- `{name}`: {reason}" for name, reason in unavailable.items()]
         out.append("")
     for claim, verdict in verdicts:
@@ -551,6 +645,15 @@ def render(results: dict, unavailable: dict, verdicts: list[tuple[Claim, Verdict
             "Perplexity, agreement and KL from the stream at 20%; passkey and lines are correct answers out of the "
             "prompts. " + _best_sentence(results), "",
             _both_table(results), ""]
+    out += retrieval_section(results)
+    if meta.get("updates") or any("measured" in r for r in results.values()):
+        out += ["## When each run was measured", "",
+                f"The first run ({meta['date']}) measured everything not listed below. Later partial re-runs "
+                "(`evictlayers claims --only ... --recipes ...`) replaced these runs:", ""]
+        for update in meta.get("updates", []):
+            out.append(f"- {update['date']} ({update['minutes']:.0f} min): experiments {', '.join(update['experiments'])}, "
+                       f"recipes {update['recipes'] if isinstance(update['recipes'], str) else ', '.join(update['recipes'])}")
+        out.append("")
     out += ["## All numbers", ""]
     for key, result in results.items():
         out += [f"### {key} ({result['task']})", "", markdown_table(result), ""]
@@ -597,37 +700,83 @@ def render(results: dict, unavailable: dict, verdicts: list[tuple[Claim, Verdict
     return "\n".join(out)
 
 
+def _saved(artifacts: Path) -> tuple[dict, dict, dict]:
+    """``(meta, unavailable, results by key)`` of an earlier run in ``artifacts``."""
+    run_file = artifacts / "run.json"
+    if not run_file.is_file():
+        raise FileNotFoundError(f"{run_file} not found: --render-only and --only need the artifacts of an earlier run")
+    saved = json.loads(run_file.read_text())
+    results = {e.key: json.loads((artifacts / f"{e.key}.json").read_text()) for e in EXPERIMENTS
+               if (artifacts / f"{e.key}.json").is_file()}
+    return saved["meta"], saved["unavailable"], results
+
+
+def _merge(old: dict | None, new: dict, date: str) -> dict:
+    """``new`` runs replace ``old`` runs of the same label; the rest of ``old`` stays (with its settings,
+    which must match). The merged result records which labels were measured when (``measured``)."""
+    if old is None:
+        return {**new, "measured": [{"date": date, "labels": [r["label"] for r in new["runs"]]}]}
+    if old["settings"] != new["settings"]:
+        raise ValueError(f"cannot merge runs of {new['task']} with different settings: {old['settings']} vs {new['settings']}")
+    labels = {r["label"] for r in new["runs"]}
+    runs = [r for r in old["runs"] if r["label"] not in labels] + new["runs"]
+    measured = old.get("measured", [{"date": "earlier", "labels": [r["label"] for r in old["runs"]]}])
+    budgets = sorted({*(old["budgets"] or []), *(new["budgets"] or [])})
+    return {**old, "runs": runs, "budgets": budgets,
+            "measured": [*measured, {"date": date, "labels": sorted(labels)}]}
+
+
 def main(doc: str | os.PathLike = "docs/results.md", artifacts: str | os.PathLike | None = None, data=None,
          model_name: str = "default", devices: int = 1, threads: int | None = None, quick: bool = False,
-         progress: bool = True, model=None, tokenizer=None, render_only: bool = False, compile: bool = False) -> str:
+         progress: bool = True, model=None, tokenizer=None, render_only: bool = False, compile: bool = False,
+         only: Sequence[str] | None = None, recipes: Sequence[str] | None = None) -> str:
     """Run the experiments and write the report to ``doc`` (JSON and plots under ``artifacts``).
 
     ``render_only`` rebuilds the report, verdicts and plots from the JSON files of an earlier run in
-    ``artifacts`` without evaluating anything.
+    ``artifacts`` without evaluating anything. ``only`` (experiment keys) and ``recipes`` (names) re-run
+    part of an earlier run: the new runs replace the saved ones of the same label, everything else is
+    kept, and the report says which runs were measured when.
     """
     started = time.perf_counter()
     doc = Path(doc)
     artifacts = Path(artifacts) if artifacts is not None else doc.with_suffix("")
     artifacts.mkdir(parents=True, exist_ok=True)
     doc.parent.mkdir(parents=True, exist_ok=True)
+    keys = [e.key for e in EXPERIMENTS]
+    unknown = sorted(set(only or ()) - set(keys))
+    if unknown:
+        raise ValueError(f"unknown experiment(s) {unknown}; the experiments are {', '.join(keys)}")
+    partial = only is not None or recipes is not None
     if render_only:
-        run_file = artifacts / "run.json"
-        if not run_file.is_file():
-            raise FileNotFoundError(f"{run_file} not found: --render-only needs the artifacts of an earlier run")
-        saved = json.loads(run_file.read_text())
-        meta, unavailable = saved["meta"], saved["unavailable"]
-        results = {e.key: json.loads((artifacts / f"{e.key}.json").read_text()) for e in EXPERIMENTS
-                   if (artifacts / f"{e.key}.json").is_file()}
+        meta, unavailable, results = _saved(artifacts)
     else:
         if model is None:
             from evictlayers.models import load
 
             model, tokenizer = load(model_name)
-        results, unavailable = run_experiments(model, tokenizer, data=data, devices=devices, threads=threads,
+        if partial:
+            meta, unavailable, results = _saved(artifacts)
+        new, new_unavailable = run_experiments(model, tokenizer, data=data, devices=devices, threads=threads,
                                                quick=quick, progress=progress, model_name=model_name,
-                                               compile=compile)
+                                               compile=compile, only=only, recipes=recipes)
+        date = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
+        if partial:
+            for key, result in new.items():
+                results[key] = _merge(results.get(key), result, date)
+            unavailable = {**unavailable, **new_unavailable}
+            for name in [n for n in unavailable if any(r["policy"] == n for res in results.values() for r in res["runs"])]:
+                unavailable.pop(name)
+            meta["updates"] = [*meta.get("updates", []), {
+                "date": date, "minutes": (time.perf_counter() - started) / 60,
+                "experiments": sorted(new), "recipes": sorted(recipes) if recipes else "all",
+            }]
+            for key in new:
+                (artifacts / f"{key}.json").write_text(json.dumps(results[key], indent=1, default=str))
+            (artifacts / "run.json").write_text(json.dumps({"meta": meta, "unavailable": unavailable}, indent=1))
+    if not render_only and not partial:
+        results, unavailable = new, new_unavailable
         meta = {
-            "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"),
+            "date": date,
             "minutes": (time.perf_counter() - started) / 60,
             "cpu": _cpu(),
             "devices": devices,
@@ -659,7 +808,7 @@ def main(doc: str | os.PathLike = "docs/results.md", artifacts: str | os.PathLik
     (artifacts / "verdicts.json").write_text(json.dumps(
         {str(c.number): {"status": v.status, "summary": v.summary, "details": v.details} for c, v in verdicts},
         indent=1))
-    how = "rendered from saved results" if render_only else f"{meta['minutes']:.1f} min"
+    how = "rendered from saved results" if render_only else f"{(time.perf_counter() - started) / 60:.1f} min"
     print(f"[claims] wrote {doc} and {artifacts}/ ({how})")
     for claim, verdict in verdicts:
         print(f"  claim {claim.number}: {verdict.status} -- {verdict.summary}")

@@ -39,7 +39,7 @@ import evictlayers as el
 from evictlayers.eval.metrics import cache_rows, histogram_evenness, merge_histograms, position_histogram
 from evictlayers.eval.tasks.documents import document_windows, read_texts
 from evictlayers.eval.tasks.lines import lines_prompts, parse_record, score_lines
-from evictlayers.eval.tasks.passkey import passkey_grid, score_passkey
+from evictlayers.eval.tasks.passkey import HAYSTACKS, passkey_grid, score_passkey
 
 __all__ = [
     "TASKS", "AgreementTask", "EvalTask", "LinesTask", "PasskeyTask", "PerplexityTask", "make_task", "rebudget",
@@ -231,8 +231,19 @@ class PasskeyTask(_GenerationTask):
         seed: int = 0,
         max_new_tokens: int = 8,
         n_bins: int = 20,
+        haystack: str = "filler",
+        chat: bool = False,
+        data=None,
     ):
         super().__init__(tokenizer, max_new_tokens, n_bins)
+        if haystack not in HAYSTACKS:
+            raise ValueError(f"passkey haystack={haystack!r}: expected one of {HAYSTACKS}")
+        if data is not None and haystack != "prose":
+            raise ValueError("passkey data (--data-dir) is the prose haystack's books: it needs haystack='prose'")
+        self.haystack, self.chat = haystack, chat
+        # the books are read here so that a missing data directory fails before any model runs
+        self.texts = read_texts(data) if haystack == "prose" else None
+        self.sources = [name for name, _ in self.texts] if self.texts else []
         if isinstance(depths, int):
             if depths < 1:
                 raise ValueError(f"depths must be >= 1 (a number of evenly spaced depths) or a list, got {depths}")
@@ -248,10 +259,11 @@ class PasskeyTask(_GenerationTask):
 
     def settings(self) -> dict:
         return {**super().settings(), "lengths": self.lengths, "depths": self.depths, "per_cell": self.per_cell,
-                "seed": self.seed}
+                "seed": self.seed, "haystack": self.haystack, "chat": self.chat, "sources": self.sources}
 
     def build_rows(self) -> list[dict]:
-        grid = passkey_grid(self.tokenizer, self.lengths, self.depths, per_cell=self.per_cell, seed=self.seed)
+        grid = passkey_grid(self.tokenizer, self.lengths, self.depths, per_cell=self.per_cell, seed=self.seed,
+                            chat=self.chat, haystack=self.haystack, texts=self.texts)
         return [
             {"text": p.text, "answer": p.answer, "depth": p.depth, "length": length, "n_tokens": p.n_tokens}
             for (length, _), prompts in grid.items()
