@@ -99,7 +99,10 @@ class EvictionLayer(CacheLayerMixin):
         self.staged = None
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError("an eviction cache cannot be cropped: evicted tokens are gone")
+        raise NotImplementedError(
+            "an eviction cache cannot be cropped: evicted tokens are gone, so generation modes that roll the "
+            "cache back (assisted/speculative generation, prompt lookup, DoLa) are not supported under el.apply"
+        )
 
 
 class EvictionCache(Cache):
