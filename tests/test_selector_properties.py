@@ -25,6 +25,8 @@ SELECTORS = {
     "low_score": lambda: el.HeavyHitterSelector(el.LowScoreCounter(window=4)),
     "low_score_alpha": lambda: el.HeavyHitterSelector(el.LowScoreCounter(window=2, threshold=0.2)),
     "ahakv": lambda: el.HeavyHitterSelector(el.Windowed(3), el.StepGainSoftmax(), el.ValuePrior(3)),
+    "keydiff": lambda: el.HeavyHitterSelector(el.KeyDiff()),
+    "knorm_pooled": lambda: el.HeavyHitterSelector(el.KeyNorm(), pool=3, pool_reduce="max"),
     "local": lambda: None,
 }
 PROPERTY_SETTINGS = settings(
