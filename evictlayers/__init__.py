@@ -1,7 +1,7 @@
 """evictlayers: bounded KV caches for Hugging Face decoders, with eviction policies from the literature."""
 
 from evictlayers import models
-from evictlayers.compose import Policy, Pyramid, Ramp, RecipeError, SlotStore, Uniform, dump_recipe, load_recipe
+from evictlayers.compose import CompileError, Policy, PolicyError, Pyramid, Ramp, RecipeError, SlotStore, Uniform, dump_recipe, load_recipe
 from evictlayers.hf import EvictionCache, UnsupportedModelError, apply
 from evictlayers.modules import ClusterSketch, DenseKV, HeavyHitterSelector, QuantizedKV, RecentWindow, SinkTokens
 from evictlayers.scoring import (
@@ -11,6 +11,7 @@ from evictlayers.scoring import (
 
 __all__ = [
     "Averaged",
+    "CompileError",
     "ClusterSketch",
     "Cumulative",
     "DenseKV",
@@ -20,6 +21,7 @@ __all__ = [
     "KeyNorm",
     "LowScoreCounter",
     "Policy",
+    "PolicyError",
     "Pyramid",
     "QuantizedKV",
     "Ramp",

@@ -3,6 +3,6 @@
 from evictlayers.compose.allocation import Allocation, Pyramid, Ramp, Uniform
 from evictlayers.compose.policy import Policy
 from evictlayers.compose.recipes import RecipeError, dump_recipe, load_recipe
-from evictlayers.compose.store import SlotStore
+from evictlayers.compose.store import CompileError, PolicyError, SlotStore
 
-__all__ = ["Allocation", "Policy", "Pyramid", "Ramp", "Uniform", "RecipeError", "SlotStore", "dump_recipe", "load_recipe"]
+__all__ = ["Allocation", "CompileError", "Policy", "PolicyError", "Pyramid", "Ramp", "Uniform", "RecipeError", "SlotStore", "dump_recipe", "load_recipe"]

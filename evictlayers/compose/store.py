@@ -14,15 +14,32 @@ from evictlayers.compose.decode_step import along_slots, compiled_decode_step, d
 from evictlayers.compose.policy import Policy
 from evictlayers.kernels.dispatch import prefill_attention
 from evictlayers.modules.cluster_sketch import CoinTable, SketchState, merge_with_exact
+from evictlayers.scoring import Component, Observation, SlotView
 
 COIN_TABLE_TOKENS = 16  # a decode step's sketch coins are hashed ahead for this many absorbed tokens per head
-from evictlayers.scoring import Observation, SlotView
 
 _LAST = torch.iinfo(torch.long).max
 
 
 class CompileError(RuntimeError):
     """The decode step of a policy could not be compiled into one graph; names the layer and policy."""
+
+
+class PolicyError(RuntimeError):
+    """A policy component failed inside a step; names the layer and the component (``__cause__`` is the error)."""
+
+
+def _culprit(error: BaseException) -> str:
+    """The innermost policy component (``Component``) on ``error``'s traceback, as ``Name(params)``;
+    the slot store itself when no component's code raised."""
+    culprit = "the slot store"
+    frame = error.__traceback__
+    while frame is not None:
+        owner = frame.tb_frame.f_locals.get("self")
+        if isinstance(owner, Component):
+            culprit = f"{type(owner).__name__}({owner.extra_repr()})"
+        frame = frame.tb_next
+    return culprit
 
 
 class SlotStore:
@@ -91,7 +108,26 @@ class SlotStore:
 
     # ---- one step ------------------------------------------------------------------------------
 
-    def step(
+    def step(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, real: torch.Tensor | None = None,
+             **attention_kwargs) -> torch.Tensor:
+        """``_step`` (below), with a failure inside the policy naming this layer and the component that
+        raised: a ``ValueError``/``TypeError`` (bad input or configuration) keeps its type and gets a
+        note; anything else (a bug, bad state, a kernel error) becomes a ``PolicyError`` from it."""
+        try:
+            return self._step(query, key, value, real, **attention_kwargs)
+        except CompileError:
+            raise
+        except (ValueError, TypeError) as error:
+            if hasattr(error, "add_note"):
+                error.add_note(f"(in layer {self.layer_idx}, {_culprit(error)})")
+            raise
+        except Exception as error:
+            raise PolicyError(
+                f"layer {self.layer_idx}: {_culprit(error)} failed ({type(error).__name__}: {error}); policy: "
+                f"{' '.join(repr(self.policy).split())}"
+            ) from error
+
+    def _step(
         self,
         query: torch.Tensor,
         key: torch.Tensor,
