@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Regenerates docs/results.md: the papers' claims reproduced on the embedded SmolLM2-135M-Instruct.
-#   bash scripts/results.sh              # ~40 min on 2 CPU cores; JSON and plots in docs/results/
+#   bash scripts/results.sh              # ~2 h on 2 CPU cores (claims ~45 min, retrieval section ~70 min)
+#   bash scripts/results.sh --devices 2  # the same over two processes (Lightning DDP on CPU)
+#   bash scripts/results.sh --only retrieval_prose --recipes tova_keydiff   # re-run part, keep the rest
 #   bash scripts/results.sh --quick      # tiny sizes, a minute: checks the pipeline, not the claims
 # Extra arguments go to `evictlayers claims` (e.g. --data-dir DIR, --devices 2, --threads 2).
 # The PG-19 books are read from $EVICTLAYERS_DATA, else ../shared/data/pg19-sample next to the repo.
