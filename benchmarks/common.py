@@ -18,8 +18,9 @@ from typing import Callable
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-RECIPES = REPO / "recipes"
+from evictlayers.compose.recipes import SHIPPED_RECIPES
+
+RECIPES = SHIPPED_RECIPES
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 
 # Rough throughput of the embedded model on one core of the 2-core machine it was calibrated on
@@ -199,7 +200,7 @@ def load_subject(quick: bool) -> Subject:
 
 
 def recipe(name: str, budget: int | float | None = ...):
-    """``recipes/<name>.yaml`` as a Policy, optionally with another budget (everything else equal)."""
+    """The shipped recipe ``<name>`` as a Policy, optionally with another budget (everything else equal)."""
     from evictlayers import load_recipe
     from evictlayers.compose.recipes import policy_from_dict, policy_to_dict
 

@@ -7,7 +7,7 @@ Configurations (baseline: the unmodified model with eager attention):
   ``model.get_compiled_call`` (what ``generate(cache_implementation="static")`` runs on GPUs; on a CPU
   generate only compiles with ``CompileConfig(_compile_all_devices=True)``, so the loop here calls it
   directly);
-- ``el-full``, ``el-h2o`` (``recipes/full.yaml``, ``recipes/h2o.yaml`` at 20%): evictlayers,
+- ``el-full``, ``el-h2o`` (``evictlayers/recipes/full.yaml``, ``evictlayers/recipes/h2o.yaml`` at 20%): evictlayers,
   eager and ``-compiled`` (``evictlayers.apply(..., compile=True)``).
 
 Each family (HF, full, h2o) prefills once per prompt at batch 1; every configuration decodes from a

@@ -24,7 +24,7 @@ NAME = "memory"
 BASELINE = "hf"
 DEFAULT_REPEATS = 1  # deterministic: byte counts do not vary between runs
 CONFIGS = {"hf": "hf", "el-full": "full", "el-h2o": "h2o"}  # config -> prefill family
-H2O_BUDGET = 0.2  # recipes/h2o.yaml
+H2O_BUDGET = 0.2  # evictlayers/recipes/h2o.yaml
 
 
 def sizes(quick: bool) -> tuple[int, tuple[int, ...], int]:

@@ -1,7 +1,7 @@
 """``prefill``: seconds and peak resident memory of one batch-1 prefill of a long PG-19 prompt.
 
 ``hf-sdpa`` (baseline) is the unmodified model with SDPA attention; ``el-h2o`` runs the same prompt
-under ``recipes/h2o.yaml`` (20%), whose prefill also computes every key's attention mass chunk by
+under ``evictlayers/recipes/h2o.yaml`` (20%), whose prefill also computes every key's attention mass chunk by
 chunk and keeps 20% of the tokens. Both compute the last position's logits only, as ``generate()``.
 
 Every measurement runs in a fresh process (forked from a fork server that has imported torch,

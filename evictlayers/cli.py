@@ -5,7 +5,7 @@
     evictlayers generate RECIPE "prompt" [--budget 0.2] [--model default]
     evictlayers claims [--doc docs/results.md]      # the papers' claims on the embedded model
 
-RECIPE is a name from ``recipes/`` (``h2o``, ``local``, ``full``, ...) or a path to a recipe YAML.
+RECIPE is a shipped recipe name (``h2o``, ``local``, ``full``, ... in ``evictlayers/recipes/``) or a path to a recipe YAML.
 ``eval`` writes ``<task>.json`` (every number, per example too), ``<task>.md`` (a table) and two plots
 (score vs budget per policy; retained-position histogram) into ``--out``.
 """
@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ev = commands.add_parser("eval", help="evaluate recipes on a task at several budgets",
                              description="Evaluate recipes on a task; writes JSON, a markdown table and plots.")
-    ev.add_argument("recipes", nargs="+", metavar="RECIPE", help="recipe names from recipes/ or YAML paths")
+    ev.add_argument("recipes", nargs="+", metavar="RECIPE", help="shipped recipe names (evictlayers/recipes/) or YAML paths")
     ev.add_argument("--task", required=True, choices=list(TASKS), help="what to measure")
     ev.add_argument("--budget", nargs="+", type=_budget, default=None, metavar="B",
                     help="budgets to sweep: a fraction of the prompt in (0, 1] (0.2, 20%%), tokens per head "
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="generate from one prompt under a recipe",
                               description="Greedy generation from one prompt under a recipe, with cache stats.")
-    gen.add_argument("recipe", metavar="RECIPE", help="recipe name from recipes/ or a YAML path")
+    gen.add_argument("recipe", metavar="RECIPE", help="shipped recipe name (evictlayers/recipes/) or a YAML path")
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--budget", type=_budget, default=None, help="override the recipe's budget")
     gen.add_argument("--max-new-tokens", type=_positive, default=32)

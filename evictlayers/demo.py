@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import argparse
 import time
-from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 from transformers.generation.streamers import BaseStreamer
 
 import evictlayers as el
+from evictlayers.compose.recipes import SHIPPED_RECIPES
 from evictlayers.eval.tasks.passkey import passkey_prompts, score_passkey
 from evictlayers.models import load_default
 
-RECIPES = Path(__file__).resolve().parent.parent / "recipes"
+RECIPES = SHIPPED_RECIPES
 DEFAULT_RECIPES = (
     "full", "local", "streaming_llm", "h2o", "h2o_averaged", "scissorhands", "ahakv", "h2o_int4", "scissorhands_int4",
     "clustergen", "keydiff", "tova_keydiff",

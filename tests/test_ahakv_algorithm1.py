@@ -19,7 +19,7 @@ from evictlayers.compose.recipes import RecipeError, policy_from_dict
 from evictlayers.scoring import RecentThenCumulative, SlotView
 from reference_scorers import ReferenceAlgorithm1, single_thread  # noqa: F401 (autouse fixture)
 
-RECIPES = Path(__file__).parent.parent / "recipes"
+RECIPES = Path(el.__file__).parent / "recipes"
 N, D = 48, 16
 
 

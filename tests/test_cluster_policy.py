@@ -141,10 +141,10 @@ def test_good_compositions_and_their_roles():
 
 
 def test_recipes_load_as_documented():
-    stream_recipe = el.load_recipe("recipes/clustergen.yaml")
+    stream_recipe = el.load_recipe("clustergen")
     assert stream_recipe.budget == 0.2 and stream_recipe.sketch.mode == "stream"
     assert stream_recipe.modules_in_order[0] == el.RecentWindow()
-    assert el.load_recipe("recipes/clustergen_kcenter.yaml") == el.Policy(
+    assert el.load_recipe("clustergen_kcenter") == el.Policy(
         el.RecentWindow(0.5), el.ClusterSketch("kcenter"), budget=0.2
     )
 

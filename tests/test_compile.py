@@ -82,7 +82,7 @@ def test_one_graph_no_recompiles_same_logits_as_eager(name):
                                     "snapkv", "tova"])
 def test_shipped_recipes_compile_without_recompiles(recipe):
     model = build("llama")
-    policy = el.load_recipe(f"recipes/{recipe}.yaml")
+    policy = el.load_recipe(recipe)
     if policy.budget is not None:  # 20% of a 13-token prompt cannot hold ahakv's RecentWindow(32)
         policy = rebudget(policy, 40)
     eager, _ = decode_logits(model, policy, compile=False, steps=100)

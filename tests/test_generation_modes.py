@@ -106,7 +106,7 @@ def test_assisted_generation_is_refused_clearly():
 
 def test_same_seed_same_tokens_twice_under_eviction():
     model = build("llama")
-    policy = el.load_recipe("recipes/tova_keydiff.yaml")
+    policy = el.load_recipe("tova_keydiff")
     policy = el.Policy(*policy.modules_in_order, budget=12)
     runs = []
     for _ in range(2):

@@ -6,7 +6,7 @@ import pytest
 
 import evictlayers as el
 
-RECIPES = sorted((Path(__file__).parent.parent / "recipes").glob("*.yaml"))
+RECIPES = sorted((Path(el.__file__).parent / "recipes").glob("*.yaml"))
 
 
 def test_recipes_are_shipped():
@@ -23,7 +23,7 @@ def test_every_recipe_loads_and_round_trips(path, tmp_path):
 
 def test_h2o_recipe_is_the_papers_split():
     expected = el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=0.2)
-    assert el.load_recipe(Path(__file__).parent.parent / "recipes" / "h2o.yaml") == expected
+    assert el.load_recipe("h2o") == expected == el.load_recipe(Path(el.__file__).parent / "recipes" / "h2o.yaml")
 
 
 def test_bad_recipe_reports_every_problem_with_file_and_key(tmp_path):

@@ -214,7 +214,7 @@ def test_threshold_accepts_1_over_t_and_numbers():
     assert el.LowScoreCounter(threshold=1).threshold == 1.0
 
 
-RECIPES = Path(__file__).parent.parent / "recipes"
+RECIPES = Path(el.__file__).parent / "recipes"
 
 
 def test_shipped_recipes_are_the_papers_compositions():

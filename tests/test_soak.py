@@ -21,7 +21,7 @@ def _rss_mib() -> float:
 @pytest.mark.parametrize("recipe", ["h2o", "tova_keydiff"])
 def test_twenty_thousand_steps_flat_memory_no_nan_within_budget(recipe):
     model = build("llama")
-    policy = el.load_recipe(f"recipes/{recipe}.yaml")
+    policy = el.load_recipe(recipe)
     policy = el.Policy(*policy.modules_in_order, budget=BUDGET)
     ids = torch.randint(3, 90, (2, 40), generator=torch.Generator().manual_seed(0))
     mask = torch.ones_like(ids)

@@ -148,11 +148,25 @@ def policy_to_dict(policy: Policy) -> dict[str, Any]:
     }
 
 
-def load_recipe(path: str | Path) -> Policy:
-    """Read a recipe YAML file into a Policy."""
-    path = Path(path)
+SHIPPED_RECIPES = Path(__file__).resolve().parent.parent / "recipes"  # package data: inside the wheel
+
+
+def shipped_recipes() -> list[str]:
+    """Names of the recipes that ship with evictlayers (``evictlayers/recipes/*.yaml``)."""
+    return sorted(p.stem for p in SHIPPED_RECIPES.glob("*.yaml"))
+
+
+def load_recipe(recipe: str | Path) -> Policy:
+    """Read a recipe into a Policy: a YAML file path, or the name of a shipped recipe (``"h2o"``)."""
+    path = Path(recipe)
+    is_name = isinstance(recipe, str) and not recipe.endswith((".yaml", ".yml")) and "/" not in recipe
+    if is_name and not path.is_file():
+        path = SHIPPED_RECIPES / f"{recipe}.yaml"
     if not path.is_file():
-        raise FileNotFoundError(f"recipe {path} does not exist")
+        raise FileNotFoundError(
+            f"recipe {recipe} does not exist: give a YAML file path or a shipped recipe name "
+            f"({', '.join(shipped_recipes())})"
+        )
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as error:

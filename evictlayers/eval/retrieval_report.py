@@ -118,7 +118,7 @@ def retrieval_section(results: dict) -> list[str]:
                    "spread depths, the same prompts for every recipe. *Filler*: repeated sentences, raw text. "
                    "*Prose*: consecutive sentences of the PG-19 sample books, chat format (the full cache finds "
                    "more prose keys in the chat format; see `eval/tasks/passkey.py`). *Lines*: LongEval-style "
-                   "records. Every shipped recipe (`recipes/*.yaml`) at each budget; the full cache once.")
+                   "records. Every shipped recipe (`evictlayers/recipes/*.yaml`) at each budget; the full cache once.")
         out.append("")
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in _names(results):

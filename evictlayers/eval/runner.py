@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from evictlayers import Policy, load_recipe
-from evictlayers.compose.recipes import policy_from_dict
+from evictlayers.compose.recipes import SHIPPED_RECIPES, policy_from_dict
 
 __all__ = [
     "RECIPES_ENV",
@@ -34,10 +34,10 @@ DEFAULT_BATCH = {"passkey": 8, "lines": 8, "perplexity": 4, "agreement": 4}
 
 
 def recipes_dir() -> Path:
-    """``$EVICTLAYERS_RECIPES`` if set, else the repository's ``recipes/``."""
+    """``$EVICTLAYERS_RECIPES`` if set, else the recipes shipped in the package (``evictlayers/recipes/``)."""
     if os.environ.get(RECIPES_ENV):
         return Path(os.environ[RECIPES_ENV]).expanduser()
-    return Path(__file__).resolve().parents[2] / "recipes"
+    return SHIPPED_RECIPES
 
 
 @dataclasses.dataclass
@@ -59,7 +59,7 @@ def available_recipes() -> list[str]:
 
 
 def resolve_recipe(recipe: str | os.PathLike) -> PolicySpec:
-    """A recipe name (``h2o`` -> ``recipes/h2o.yaml``) or a path to a YAML file, loaded.
+    """A recipe name (``h2o`` -> ``evictlayers/recipes/h2o.yaml``) or a path to a YAML file, loaded.
 
     Raises:
         FileNotFoundError: no such recipe; the message lists the available names and the directory.

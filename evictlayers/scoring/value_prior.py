@@ -42,10 +42,10 @@ class ValuePrior(ScorePrior):
     The maximum of Eq. 14 is taken over the slots the head currently holds. Dividing by it is a per-head
     constant, so it never changes which slot a head evicts; it keeps the weight in ``[0, 1]``.
 
-    As the selector's ``prior`` (``recipes/ahakv_windowed.yaml``) it deviates from Algorithm 1, which weights
+    As the selector's ``prior`` (``evictlayers/recipes/ahakv_windowed.yaml``) it deviates from Algorithm 1, which weights
     the prefill score once (line 10) and then adds generated rows unweighted (line 27): Eq. 15 is applied to
     the current score at every ranking, so generated tokens get their prior too. As
-    ``RecentThenCumulative(prefill_prior=ValuePrior(pool))`` (``recipes/ahakv.yaml``) it weights the prompt
+    ``RecentThenCumulative(prefill_prior=ValuePrior(pool))`` (``evictlayers/recipes/ahakv.yaml``) it weights the prompt
     rows once, as Algorithm 1 does. The pool size is not stated in the paper; ``pool=5`` is our default.
     """
 

@@ -56,8 +56,8 @@ class Windowed(ScoreAccumulator):
 
     Deviation: Algorithm 1 line 27 keeps adding every generated row onto the prefill score
     (``F_t = SGsoftmax(A) + F_{t-1}``); this applies Eq. 5 at every step instead, since the equal number of
-    terms is what the paper's bias argument (Sec. 4.1) needs (``recipes/ahakv_windowed.yaml``).
-    ``RecentThenCumulative`` is Algorithm 1 as written (``recipes/ahakv.yaml``).
+    terms is what the paper's bias argument (Sec. 4.1) needs (``evictlayers/recipes/ahakv_windowed.yaml``).
+    ``RecentThenCumulative`` is Algorithm 1 as written (``evictlayers/recipes/ahakv.yaml``).
     """
 
     param_names = ("rows",)
