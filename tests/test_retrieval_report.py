@@ -57,6 +57,10 @@ def test_target_needs_all_three_parts(results):
     assert target_check(results)[0] == []
     text = "\n".join(retrieval_section(results))
     assert "No recipe meets all three." in text and "| mix | 7/8 | 7/8 | 7/8 | 7/8 | - | 9/16 | +5.3% |" in text
+    results["retrieval_prose"]["runs"][2]["correct"] = 5  # mix: 7 + 5 = 12, h2o 0 + 6, keys 8 + 2 = 10
+    text = "\n".join(retrieval_section(results))
+    assert ("no recipe reaches 7/8 passkey at 20% on both haystacks; the best at 20% over both: `mix` "
+            "(filler 7/8, prose 5/8); full cache 7/8 and 7/8") in text
 
 
 def test_merge_replaces_runs_of_the_same_label_and_records_when():
