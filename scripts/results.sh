@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates docs/results.md: the papers' claims reproduced on the embedded SmolLM2-135M-Instruct.
-#   bash scripts/results.sh              # ~2 h on 2 CPU cores (claims ~45 min, retrieval section ~70 min)
+#   bash scripts/results.sh              # ~2.5 h on 2 CPU cores (claims ~45 min, retrieval ~100 min: filler 28, prose 31, lines 16 min measured)
 #   bash scripts/results.sh --devices 2  # the same over two processes (Lightning DDP on CPU)
 #   bash scripts/results.sh --only retrieval_prose --recipes tova_keydiff   # re-run part, keep the rest
 #   bash scripts/results.sh --quick      # tiny sizes, a minute: checks the pipeline, not the claims
