@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from evictlayers.compose.policy import Policy
+from evictlayers.compose.positions import rotate_at, rotate_queries, slot_ranks
 from evictlayers.modules.cluster_sketch import CoinTable, SketchState, merge_with_exact
 from evictlayers.modules.dense_kv import batch_head_index
 from evictlayers.kernels.dispatch import decode_attention
@@ -49,6 +50,7 @@ def decode_step(
     sliding_window: int | None,
     sketch: SketchState | None = None,
     coins: CoinTable | None = None,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Insert one token per row, attend, score and evict, writing ``kv``/``pos``/``state`` in place.
 
@@ -66,6 +68,9 @@ def decode_step(
             step's victims are absorbed before their slots are freed. The scorers see the exact slots'
             mass only: evicted tokens have no slot to credit it to.
         coins: the sketch's ``CoinTable`` covering this step's absorptions (``None``: hash them here).
+        rotary: ``(cos, sin)`` ``[N >= C, R]`` for ``positions="rolling"`` (keys held un-rotated): keys and
+            the query are rotated to their rank among the head's held slots before attention; the
+            scorers see the stored keys. ``None``: keys are held rotated at their original position.
 
     Returns:
         ``([B, H_q, 1, D_v]`` attention output, ``[B]`` new ``seen``).
@@ -83,8 +88,13 @@ def decode_step(
 
     keys, values = kv.dense()
     gain = policy.score_gain(query_pos[:, None], budget)
+    attended_query, attended_keys = query, keys
+    if rotary is not None:
+        ranks = slot_ranks(pos)
+        attended_keys = rotate_at(keys, ranks, rotary)
+        attended_query = rotate_queries(query, ranks.gather(2, slot[:, :, None]), rotary)
     attention = decode_attention(
-        query[:, :, 0], keys, values, query_pos, pos,
+        attended_query[:, :, 0], attended_keys, values, query_pos, pos,
         scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=policy.gqa_reduce,
         score_gain=None if gain is None else gain[:, 0],
     )

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from evictlayers.compose.allocation import Allocation, Uniform
+from evictlayers.compose.positions import POSITIONS
 from evictlayers.compose.selection import SelectorSet
 from evictlayers.kernels import GQA_REDUCTIONS
 from evictlayers.modules import ClusterSketch, DenseKV, HeavyHitterSelector, Protection, QuantizedKV, RecentWindow
@@ -47,6 +48,10 @@ class Policy(nn.Module):
     at most one eviction per step) or Scissorhands' drop amount ``m`` (Algorithm 2), an ``int`` or a
     ``float`` fraction of the budget (the paper uses ``m = 0.5 B``). ``allocation`` splits the budget
     across layers (``Uniform``, ``Ramp``, ``Pyramid``; the budget is the per-layer mean).
+    ``positions`` is which rotary positions attention sees: ``"absolute"`` (default: each key keeps the
+    RoPE of its original position) or ``"rolling"`` (keys held un-rotated and re-rotated to their rank
+    among the retained tokens, as StreamingLLM does, so a bounded cache never shows the model a position
+    past its trained context; ``compose/positions.py``). Rolling needs a RoPE model.
     """
 
     def __init__(
@@ -57,6 +62,7 @@ class Policy(nn.Module):
         allocation: Allocation | None = None,
         gqa_reduce: str = "sum",
         storage: Component | None = None,
+        positions: str = "absolute",
     ):
         super().__init__()
         protections: list[Protection] = []
@@ -103,6 +109,14 @@ class Policy(nn.Module):
                 f"Policy(storage={storage!r}): expected a K/V storage, one of "
                 f"{', '.join(cls.__name__ + '()' for cls in STORAGES)}"
             )
+        if positions not in POSITIONS:
+            raise ValueError(f"Policy(positions={positions!r}): expected one of {POSITIONS}")
+        if positions == "rolling" and sketches and sketches[0].mode == "stream":
+            raise ValueError(
+                "Policy(positions='rolling') cannot hold ClusterSketch(mode='stream'): the sketch merges evicted "
+                "keys into position-less clusters, so there is no rank to re-rotate them to; use "
+                "positions='absolute' with the sketch"
+            )
         # the open-ended RecentWindow reserves last: it takes what the others leave
         self.protections = nn.ModuleList(sorted(protections, key=lambda m: m in open_ended))
         self.selectors = selector_set
@@ -113,6 +127,7 @@ class Policy(nn.Module):
         self.allocation = allocation if allocation is not None else Uniform()
         self.gqa_reduce = gqa_reduce
         self.storage = storage if storage is not None else DenseKV()
+        self.positions = positions
         if isinstance(budget, int):
             self._check_fits(torch.tensor([budget]), where=f"budget={budget} tokens per head")
 
@@ -197,12 +212,14 @@ class Policy(nn.Module):
             and self.allocation == other.allocation
             and self.gqa_reduce == other.gqa_reduce
             and self.storage == other.storage
+            and self.positions == other.positions
         )
 
     __hash__ = nn.Module.__hash__
 
     def extra_repr(self) -> str:
-        return f"{_describe_budget(self.budget)}, drop={self.drop!r}, gqa_reduce={self.gqa_reduce!r}"
+        rolling = ", positions='rolling'" if self.positions == "rolling" else ""
+        return f"{_describe_budget(self.budget)}, drop={self.drop!r}, gqa_reduce={self.gqa_reduce!r}{rolling}"
 
     # ---- budgets -------------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ A recipe maps straight onto constructors (torchtune style): every component is a
       _component_: Ramp
       spread: 0.5
     gqa_reduce: sum        # optional
+    positions: absolute    # optional: absolute (default) or rolling (re-positioned inside the cache)
     storage:               # optional: DenseKV (default) or QuantizedKV(bits, group, residual)
       _component_: QuantizedKV
       bits: 4
@@ -55,7 +56,7 @@ COMPONENTS: dict[str, type[Component]] = {
         RecentThenCumulative, KeyDiff, KeyNorm,
     )
 }
-POLICY_KEYS = ("budget", "modules", "drop", "allocation", "gqa_reduce", "storage")
+POLICY_KEYS = ("budget", "modules", "drop", "allocation", "gqa_reduce", "storage", "positions")
 
 
 class RecipeError(ValueError):
@@ -124,6 +125,7 @@ def policy_from_dict(data: Any, source: str = "<recipe>") -> Policy:
             allocation=allocation,
             gqa_reduce=data.get("gqa_reduce", "sum"),
             storage=storage,
+            positions=data.get("positions", "absolute"),
         )
     except (TypeError, ValueError) as error:
         raise RecipeError(source, [f"policy: {error}"]) from None
@@ -144,6 +146,7 @@ def policy_to_dict(policy: Policy) -> dict[str, Any]:
         "allocation": _component_dict(policy.allocation),
         "gqa_reduce": policy.gqa_reduce,
         "storage": _component_dict(policy.storage),
+        "positions": policy.positions,
         "modules": [_component_dict(m) for m in policy.modules_in_order],
     }
 

@@ -12,6 +12,7 @@ import torch
 
 from evictlayers.compose.decode_step import along_slots, compiled_decode_step, decode_step
 from evictlayers.compose.policy import Policy
+from evictlayers.compose.positions import RotaryTable, rotate_at, rotate_queries, slot_ranks
 from evictlayers.kernels.dispatch import prefill_attention
 from evictlayers.modules.cluster_sketch import CoinTable, SketchState, merge_with_exact
 from evictlayers.scoring import Component, Observation, SlotView
@@ -45,10 +46,18 @@ def _culprit(error: BaseException) -> str:
 class SlotStore:
     """Keys, values, positions and policy state of one attention layer for one batch of sequences."""
 
-    def __init__(self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False):
+    def __init__(
+        self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False,
+        rotary: RotaryTable | None = None,
+    ):
+        """``rotary``: the model's rotary table, which ``Policy(positions="rolling")`` needs (its keys are
+        held un-rotated and rotated to their rank at every step; ``compose/positions.py``)."""
+        if rotary is not None and not isinstance(rotary, RotaryTable):
+            raise TypeError(f"SlotStore(rotary={rotary!r}): expected a RotaryTable or None")
         self.policy = policy
         self.layer_idx, self.num_layers = layer_idx, num_layers
         self.compile = compile
+        self.rotary = rotary
         self.most = 1  # the largest drop amount of any row, fixed with the budget at the first step
         self.kv = None  # the policy storage's slots (DenseSlots, QuantizedSlots), None until the first step
         self.pos: torch.Tensor | None = None
@@ -69,7 +78,8 @@ class SlotStore:
 
     @property
     def keys(self) -> torch.Tensor | None:
-        """``[B, H_kv, C, D]`` keys as attention reads them (dequantised for a quantised storage)."""
+        """``[B, H_kv, C, D]`` keys as stored, dequantised for a quantised storage (un-rotated under
+        ``positions="rolling"``: attention rotates them to their ranks)."""
         return None if self.kv is None else self.kv.dense()[0]
 
     @property
@@ -148,6 +158,12 @@ class SlotStore:
             ``[B, H_q, Q, D_v]`` attention output (zero for padding queries).
         """
         batch, kv_heads, q_len, _ = key.shape
+        if self.policy.positions == "rolling" and self.rotary is None:
+            raise ValueError(
+                "Policy(positions='rolling') rotates keys to their rank in the cache, so the slot store needs "
+                "the model's rotary table: create the cache with run.new_cache() under evictlayers.apply "
+                "(or pass SlotStore(rotary=RotaryTable(...)))"
+            )
         if real is None:
             real = torch.ones(batch, q_len, dtype=torch.bool, device=key.device)
         if self.seen is None:
@@ -167,8 +183,14 @@ class SlotStore:
         # decode step does, with each query's log-sum-exp over the slots it sees
         merge = self.sketch is not None and bool(self.sketch.absorbed.any())
         lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device) if merge else None
+        attended_query, attended_keys = query, keys
+        if self.policy.positions == "rolling":
+            ranks = slot_ranks(pos)
+            table = self.rotary.rows(keys.shape[2], keys.device, keys.dtype)
+            attended_keys = rotate_at(keys, ranks, table)
+            attended_query = rotate_queries(query, ranks[:, :, first_new:], table)
         attention = prefill_attention(
-            query, keys, values, query_pos, pos,
+            attended_query, attended_keys, values, query_pos, pos,
             scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=self.policy.gqa_reduce,
             score_gain=self.policy.score_gain(query_pos, self.budget), keep_rows=self.policy.rows_needed,
             lse_out=lse,
@@ -207,10 +229,14 @@ class SlotStore:
             # appends stay amortised without doubling the memory of a long prompt
             self._grow(max(64, self.capacity // 8))
         step = compiled_decode_step() if self.compile else decode_step
+        table = None
+        if self.policy.positions == "rolling":  # ranks stay below the capacity
+            table = self.rotary.rows(self.capacity, key.device, key.dtype)
         try:
             out, self.seen = step(
                 self.policy, self.most, self.kv, self.pos, self.state, self.seen, self.budget,
                 query, key, value, real, **attention_kwargs, sketch=self.sketch, coins=self._step_coins(),
+                rotary=table,
             )
         except torch._dynamo.exc.TorchDynamoException as error:
             raise CompileError(

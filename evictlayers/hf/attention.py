@@ -12,6 +12,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from evictlayers.compose.positions import rotate_at, rotate_queries
 from evictlayers.kernels import prefill_attention
 
 ATTENTION_NAME = "evictlayers"
@@ -56,6 +57,10 @@ def evicting_attention(
             real = torch.ones(query.shape[0], query.shape[2], dtype=torch.bool, device=query.device)
         pos = torch.where(real, real.long().cumsum(1) - 1, -1)
         key_pos = pos[:, None, :].expand(-1, key.shape[1], -1)
+        if run.rotary is not None:  # rolling positions: nothing is evicted, so each rank is its position
+            table = run.rotary.rows(key.shape[2], key.device, key.dtype)
+            ranks = key_pos.clamp(min=0)
+            query, key = rotate_queries(query, ranks, table), rotate_at(key, ranks, table)
         out = prefill_attention(query, key, value, pos, key_pos, **options).out
     return out.transpose(1, 2).contiguous(), None
 

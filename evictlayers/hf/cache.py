@@ -6,6 +6,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from evictlayers.compose import Policy, SlotStore
+from evictlayers.compose.positions import RotaryTable
 
 
 class EvictionLayer(CacheLayerMixin):
@@ -20,9 +21,12 @@ class EvictionLayer(CacheLayerMixin):
     is_compileable = False
     is_croppable = False
 
-    def __init__(self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False):
+    def __init__(
+        self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False,
+        rotary: RotaryTable | None = None,
+    ):
         super().__init__()
-        self.store = SlotStore(policy, layer_idx, num_layers, compile=compile)
+        self.store = SlotStore(policy, layer_idx, num_layers, compile=compile, rotary=rotary)
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -95,7 +99,9 @@ class EvictionLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Forget everything, the ClusterSketch included: the next step starts a new one."""
         store = self.store
-        self.store = SlotStore(store.policy, store.layer_idx, store.num_layers, compile=store.compile)
+        self.store = SlotStore(
+            store.policy, store.layer_idx, store.num_layers, compile=store.compile, rotary=store.rotary
+        )
         self.staged = None
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -107,10 +113,13 @@ class EvictionLayer(CacheLayerMixin):
 
 class EvictionCache(Cache):
     """A ``transformers`` cache whose layers keep only what ``policy`` selects; ``compile=True`` runs each
-    layer's decode step as one ``torch.compile(fullgraph=True)`` graph."""
+    layer's decode step as one ``torch.compile(fullgraph=True)`` graph. ``rotary`` is the model's rotary
+    table, needed by ``Policy(positions="rolling")`` (``run.new_cache()`` passes it)."""
 
-    def __init__(self, policy: Policy, num_layers: int, compile: bool = False):
-        super().__init__(layers=[EvictionLayer(policy, i, num_layers, compile=compile) for i in range(num_layers)])
+    def __init__(self, policy: Policy, num_layers: int, compile: bool = False, rotary: RotaryTable | None = None):
+        super().__init__(
+            layers=[EvictionLayer(policy, i, num_layers, compile=compile, rotary=rotary) for i in range(num_layers)]
+        )
         self.policy = policy
 
     def stats(self) -> dict:

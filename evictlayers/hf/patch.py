@@ -19,6 +19,7 @@ from evictlayers.compose import Policy
 from evictlayers.hf import attention
 from evictlayers.hf.cache import EvictionCache, EvictionLayer
 from evictlayers.hf.families import attention_modules
+from evictlayers.hf.rotary import model_rotary_table
 
 _EVICTING_CLASSES: dict[type, type] = {}
 
@@ -46,6 +47,8 @@ class EvictionRun:
         self.model, self.policy, self.compile = model, policy, compile
         self._attention = attention_modules(model)
         self.num_layers = len(self._attention)
+        # rolling positions: keys arrive un-rotated (every token at position 0) and the stores rotate them
+        self.rotary = model_rotary_table(model, self._attention) if policy.positions == "rolling" else None
         self.cache: EvictionCache | None = None
         self._padding: torch.Tensor | None = None
         self._configs: list[tuple[object, str]] = []
@@ -93,10 +96,16 @@ class EvictionRun:
 
     def new_cache(self) -> EvictionCache:
         """An empty cache for this model and policy (pass it as ``past_key_values``)."""
-        return EvictionCache(self.policy, self.num_layers, compile=self.compile)
+        return EvictionCache(self.policy, self.num_layers, compile=self.compile, rotary=self.rotary)
 
     def _hook(self, signature: inspect.Signature):
         names = list(signature.parameters)
+
+        def replaced(args: tuple, kwargs: dict, name: str, value) -> tuple[tuple, dict]:
+            slot = names.index(name) if name in names else len(args)
+            if slot < len(args):
+                return (*args[:slot], value, *args[slot + 1 :]), kwargs
+            return args, {**kwargs, name: value}
 
         def before_forward(module, args, kwargs):
             arguments = signature.bind_partial(*args, **kwargs).arguments
@@ -118,11 +127,13 @@ class EvictionRun:
                         f"past_key_values is a {type(cache).__name__} holding {cache.get_seq_length()} tokens; "
                         "under evictlayers.apply pass an evictlayers cache (run.new_cache()) or none"
                     )
-                slot = names.index("past_key_values") if "past_key_values" in names else len(args)
-                if slot < len(args):
-                    args = (*args[:slot], cache, *args[slot + 1 :])
-                else:
-                    kwargs = {**kwargs, "past_key_values": cache}
+                args, kwargs = replaced(args, kwargs, "past_key_values", cache)
+            if self.rotary is not None:
+                # position 0 everywhere makes the model's rotary embedding the identity: queries and keys
+                # reach the attention function un-rotated, and the slot store rotates them to their ranks
+                inputs = next(arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None)
+                zeros = torch.zeros(1, inputs.shape[1], dtype=torch.long, device=inputs.device)
+                args, kwargs = replaced(args, kwargs, "position_ids", zeros)
             self.cache = cache if use_cache else None
             self._padding = mask
             return args, kwargs
