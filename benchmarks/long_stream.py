@@ -6,6 +6,7 @@ share of each, concatenated) and predicts every next token. Configurations:
 | config | what runs |
 |---|---|
 | `hf` | the unmodified model, `DynamicCache` over every token: positions run past its trained window |
+| `hf-windows` | the unmodified model with a fresh cache at every context window: what each window's text costs within the trained context (the reference the others are divided by, per window) |
 | `el-<recipe>-rolling` | the recipe at a fixed token budget with `positions="rolling"`: ranks in the cache |
 | `el-<recipe>-absolute` | the same budget with each key at its original position (the default) |
 
@@ -53,8 +54,11 @@ def stream_tokens(subject, tokens: int) -> torch.Tensor:
     return torch.tensor([sum(pieces, [])[:tokens]])
 
 
-def run_config(model, ids: torch.Tensor, policy, chunk: int) -> dict:
-    """Feed ``ids`` in chunks; per-token NLL, RSS after each chunk, KV bytes held at the end."""
+def run_config(model, ids: torch.Tensor, policy, chunk: int, reset_every: int | None = None) -> dict:
+    """Feed ``ids`` in chunks; per-token NLL, RSS after each chunk, KV bytes held at the end.
+
+    ``policy`` ``None`` is the unmodified model; ``reset_every`` (a multiple of ``chunk``) starts it on a
+    fresh cache every that many tokens."""
     import evictlayers as el
     from transformers import DynamicCache
 
@@ -67,7 +71,10 @@ def run_config(model, ids: torch.Tensor, policy, chunk: int) -> dict:
             cache = run.new_cache() if run is not None else DynamicCache(config=model.config)
             for start in range(0, n, chunk):
                 end = min(start + chunk, n)
-                mask = torch.ones(1, end, dtype=torch.long)
+                if reset_every and start % reset_every == 0 and start:
+                    cache = DynamicCache(config=model.config)
+                offset = start - start % reset_every if reset_every else 0
+                mask = torch.ones(1, end - offset, dtype=torch.long)
                 logits = model(input_ids=ids[:, start:end], attention_mask=mask, past_key_values=cache).logits
                 logp = torch.log_softmax(logits[0].float(), dim=-1)
                 nll[start:end] = -logp.gather(-1, ids[0, start + 1 : end + 1, None])[:, 0].double()
@@ -87,9 +94,14 @@ def windows(nll: list[float], size: int) -> list[float]:
     return [math.exp(sum(nll[s : s + size]) / len(nll[s : s + size])) for s in range(0, len(nll), size)]
 
 
-def summarize(name: str, result: dict, context: int, block: int) -> dict:
+def summarize(name: str, result: dict, context: int, block: int, reference: dict | None) -> dict:
+    """Perplexities over the first window, past it, per window and per block; with ``reference`` (the
+    ``hf-windows`` result) each window's perplexity over the reference's on the same text."""
     nll = result["nll"]
     per_window = windows(nll, context)
+    ratio = None
+    if reference is not None:
+        ratio = [p / q for p, q in zip(per_window, reference["perplexity_per_window"])]
     first, past = nll[:context], nll[context:]
     rss = result["rss_mib"]
     warm = rss[len(rss) // 5 :]  # after the first fifth: allocator and first-window growth settle
@@ -98,6 +110,7 @@ def summarize(name: str, result: dict, context: int, block: int) -> dict:
         "perplexity_first_window": math.exp(sum(first) / len(first)),
         "perplexity_past_window": math.exp(sum(past) / len(past)) if past else None,
         "perplexity_per_window": per_window,
+        "per_window_vs_hf_windows": ratio,
         "perplexity_per_block": windows(nll, block),
         "rss_mib_first": rss[0],
         "rss_mib_last": rss[-1],
@@ -117,15 +130,16 @@ def markdown(payload: dict) -> str:
         f"budget {s['budget']} tokens per head, chunks of {s['chunk']}; {payload['environment']['date']}, "
         f"{payload['environment']['threads']} thread(s). Rerun: `{payload['command']}`.",
         "",
-        "| config | ppl, first window | ppl, past the window | ppl per window | KV MiB at the end | RSS MiB first -> last "
-        "| RSS drift after warm-up | minutes |",
-        "|---|---|---|---|---|---|---|---|",
+        "| config | ppl, first window | ppl, past the window | ppl per window | per window / hf-windows "
+        "| KV MiB at the end | RSS MiB first -> last | RSS drift after warm-up | minutes |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in payload["results"]:
         past = f"{r['perplexity_past_window']:.2f}" if r["perplexity_past_window"] is not None else "-"
         per = " / ".join(f"{p:.1f}" for p in r["perplexity_per_window"])
+        ratio = " / ".join(f"{p:.2f}" for p in r["per_window_vs_hf_windows"] or [])
         lines.append(
-            f"| {r['config']} | {r['perplexity_first_window']:.2f} | {past} | {per} | {r['kv_bytes'] / 2**20:.1f} "
+            f"| {r['config']} | {r['perplexity_first_window']:.2f} | {past} | {per} | {ratio} | {r['kv_bytes'] / 2**20:.1f} "
             f"| {r['rss_mib_first']:.0f} -> {r['rss_mib_last']:.0f} | {r['rss_mib_drift_after_warmup']:.0f} "
             f"| {r['seconds'] / 60:.1f} |"
         )
@@ -168,7 +182,8 @@ def parse_args(argv):
     parser.add_argument("--chunk", type=int, default=64, help="tokens fed per forward (default 64)")
     parser.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES), help="shipped recipes to run")
     parser.add_argument("--no-absolute", action="store_true", help="skip the positions='absolute' runs")
-    parser.add_argument("--no-hf", action="store_true", help="skip the unmodified model (its run is the longest)")
+    parser.add_argument("--no-hf", action="store_true",
+                        help="skip the unmodified model's runs (hf, the longest, and hf-windows)")
     parser.add_argument("--threads", type=int, help="torch threads (default: all cores)")
     parser.add_argument("--quick", action="store_true", help="tiny random Llama, context 128: a smoke run")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help=f"output directory (default {RESULTS_DIR})")
@@ -187,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
     tokens = int(args.windows * context)
     budget = min(args.budget, context // 4) if args.quick else args.budget
     ids = stream_tokens(subject, tokens + 1)
-    configs: list[tuple[str, object]] = []
+    configs: list[tuple[str, object]] = [] if args.no_hf else [("hf-windows", None)]
     for name in args.recipes:
         base = recipe(name, budget)
         for positions in ("rolling",) if args.no_absolute else ("rolling", "absolute"):
@@ -198,10 +213,15 @@ def main(argv: list[str] | None = None) -> dict:
     if not args.no_hf:  # last: the longest run
         configs.append(("hf", None))
     block = max(context // 8, 1)
-    results = []
+    if context % args.chunk:
+        raise SystemExit(f"--chunk {args.chunk} must divide the context window ({context})")
+    results, reference = [], None
     for name, policy in configs:
         print(f"[{name}] streaming {tokens:,} tokens ...", flush=True)
-        result = summarize(name, run_config(model, ids, policy, args.chunk), context, block)
+        reset = context if name == "hf-windows" else None
+        result = summarize(name, run_config(model, ids, policy, args.chunk, reset), context, block, reference)
+        if name == "hf-windows":
+            reference = result
         print(
             f"[{name}] ppl first window {result['perplexity_first_window']:.2f}, past it "
             f"{result['perplexity_past_window']:.2f}, KV {result['kv_bytes'] / 2**20:.1f} MiB, "

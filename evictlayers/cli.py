@@ -4,6 +4,7 @@
         --model default|<hf id or path> --out DIR
     evictlayers generate RECIPE "prompt" [--budget 0.2] [--model default]
     evictlayers claims [--doc docs/results.md]      # the papers' claims on the embedded model
+    evictlayers needles RECIPE... --budget 0.2 --haystack prose --chat-format --out DIR   # per-head key dumps
 
 RECIPE is a shipped recipe name (``h2o``, ``local``, ``full``, ... in ``evictlayers/recipes/``) or a path to a recipe YAML.
 ``eval`` writes ``<task>.json`` (every number, per example too), ``<task>.md`` (a table) and two plots
@@ -82,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     from evictlayers.eval.suite import TASKS
 
     parser = argparse.ArgumentParser(prog="evictlayers", description="Bounded KV caches for Hugging Face decoders.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{eval,generate,claims}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{eval,generate,claims,needles}")
 
     ev = commands.add_parser("eval", help="evaluate recipes on a task at several budgets",
                              description="Evaluate recipes on a task; writes JSON, a markdown table and plots.")
@@ -149,6 +150,21 @@ def build_parser() -> argparse.ArgumentParser:
                     help="rebuild the report from the artifacts of an earlier run, evaluating nothing")
     cl.add_argument("--no-progress", action="store_true", help="no progress bars")
     _add_runtime(cl)
+
+    nd = commands.add_parser(
+        "needles", help="per-head dumps: which layers and KV heads hold the pass key after the prompt",
+        description="Prefill passkey prompts under each recipe and count, per layer and KV head, the key's "
+                    "tokens still held; writes needles.json and needles.md.")
+    nd.add_argument("recipes", nargs="+", metavar="RECIPE", help="shipped recipe names or YAML paths")
+    nd.add_argument("--budget", type=_budget, default=0.2, help="budget for every recipe but full (0.2)")
+    nd.add_argument("--haystack", choices=("filler", "prose"), default="prose", help="(prose)")
+    nd.add_argument("--chat-format", dest="chat", action="store_true", help="wrap prompts in the chat template")
+    nd.add_argument("--length", type=_positive, default=1000, help="prompt length in tokens (1000)")
+    nd.add_argument("--depths", type=_positive, default=8, help="prompts at evenly spaced key depths (8)")
+    nd.add_argument("--seed", type=int, default=0, help="prompt seed (0)")
+    nd.add_argument("--data-dir", dest="data", type=Path, default=None, help="directory of .txt books (prose)")
+    nd.add_argument("--out", required=True, type=Path, help="directory for needles.json and needles.md")
+    _add_runtime(nd)
     return parser
 
 
@@ -267,11 +283,41 @@ def _cmd_claims(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     return 0
 
 
+def _cmd_needles(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    import torch
+
+    from evictlayers.compose import RecipeError
+    from evictlayers.eval import needles
+    from evictlayers.eval.runner import resolve_recipe
+
+    try:
+        for recipe in args.recipes:
+            resolve_recipe(recipe)
+    except (FileNotFoundError, RecipeError) as error:
+        parser.error(str(error))
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tokenizer = _load_model(args.model)
+    command = "evictlayers " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["needles"] else "evictlayers needles ..."
+    try:
+        payload = needles.run_needles(
+            model, tokenizer, args.recipes, args.budget, haystack=args.haystack, chat=args.chat, length=args.length,
+            depths=args.depths, seed=args.seed, data=args.data, command=command,
+        )
+    except ValueError as error:
+        parser.error(str(error))
+    paths = needles.write(payload, args.out)
+    print(needles.markdown(payload))
+    print("wrote " + ", ".join(str(p) for p in paths))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     subparser = parser._subparsers._group_actions[0].choices[args.command]  # errors name the subcommand
-    command = {"eval": _cmd_eval, "generate": _cmd_generate, "claims": _cmd_claims}[args.command]
+    commands = {"eval": _cmd_eval, "generate": _cmd_generate, "claims": _cmd_claims, "needles": _cmd_needles}
+    command = commands[args.command]
     return command(args, subparser)
 
 
