@@ -236,6 +236,12 @@ def estimate_step_s(bytes_read: float) -> float:
     return bytes_read / BYTES_PER_S
 
 
+def rss_mib() -> float:
+    """This process's resident memory in MiB (Linux ``/proc/self/statm``)."""
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * 4096 / 2**20
+
+
 def cpu_count() -> int:
     """Cores this process may run on (the container's share, not the host's)."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -30,15 +30,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, load_subject, recipe
+from benchmarks.common import RESULTS_DIR, load_subject, recipe, rss_mib
 from benchmarks.suite import environment
 
 DEFAULT_RECIPES = ("streaming_llm", "h2o")
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096 / 2**20
 
 
 def stream_tokens(subject, tokens: int) -> torch.Tensor:
@@ -78,7 +73,7 @@ def run_config(model, ids: torch.Tensor, policy, chunk: int, reset_every: int | 
                 logits = model(input_ids=ids[:, start:end], attention_mask=mask, past_key_values=cache).logits
                 logp = torch.log_softmax(logits[0].float(), dim=-1)
                 nll[start:end] = -logp.gather(-1, ids[0, start + 1 : end + 1, None])[:, 0].double()
-                rss.append(_rss_mib())
+                rss.append(rss_mib())
             if run is not None:
                 kv_bytes = run.stats()["kv_bytes"]
             else:

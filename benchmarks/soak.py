@@ -19,15 +19,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import RESULTS_DIR, recipe, tiny_llama
+from benchmarks.common import RESULTS_DIR, recipe, rss_mib, tiny_llama
 from benchmarks.suite import environment
 
 DEFAULT_RECIPES = ("h2o", "tova_keydiff")
-
-
-def _rss_mib() -> float:
-    with open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * 4096 / 2**20
 
 
 def soak(model, policy, steps: int, every: int, budget: int) -> dict:
@@ -51,7 +46,7 @@ def soak(model, policy, steps: int, every: int, budget: int) -> dict:
                 layers = run.stats()["layers"]
                 blocks.append({
                     "step": step,
-                    "rss_mib": _rss_mib(),
+                    "rss_mib": rss_mib(),
                     "max_retained": max(layer["retained_tokens"] for layer in layers),
                     "finite": bool(torch.isfinite(out.logits).all()),
                     "step_ms_median": 1000 * statistics.median(times),
