@@ -69,6 +69,19 @@ def test_rolling_compiled_equals_the_unmodified_model():
     _assert_same_as_unmodified(build("llama"), compile=True)
 
 
+def test_rolling_under_eviction_compiled_equals_eager():
+    """Eviction by shared selectors over a quantised storage: the compiled step rotates as the eager one."""
+    recipe = el.compose.recipes.policy_to_dict(el.load_recipe("tova_keydiff"))
+    recipe.update(budget=16, positions="rolling", storage={"_component_": "QuantizedKV", "group": 8, "residual": 4})
+    policy = el.compose.recipes.policy_from_dict(recipe)
+    model = build("llama")
+    ids, mask = left_padded([40, 46])
+    eager_tokens, eager = _generate_logits(model, ids, mask, policy, steps=12)
+    compiled_tokens, compiled = _generate_logits(model, ids, mask, policy, compile=True, steps=12)
+    assert torch.equal(compiled_tokens, eager_tokens)
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+
+
 def test_rolling_without_a_cache_equals_the_unmodified_model():
     model = build("phi3")  # partial rotary
     ids, mask = left_padded([9, 14])
