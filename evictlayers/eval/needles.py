@@ -101,13 +101,14 @@ def summarize(records: list[dict]) -> dict:
     }
 
 
-def markdown(payload: dict) -> str:
+def summary_lines(payload: dict, heading: str = "#") -> list[str]:
+    """The summary table and the per-layer whole-key shares of a dump, as markdown lines."""
     s = payload["settings"]
     lines = [
-        f"# Per-head needle dump ({s['haystack']} haystack{', chat format' if s['chat'] else ''}, "
+        f"{heading} Per-head needle dump ({s['haystack']} haystack{', chat format' if s['chat'] else ''}, "
         f"{s['n_prompts']} prompts of ~{s['length']} tokens, budget {s['budget']})",
         "",
-        "Share of (layer, KV head) pairs holding all of the pass key's tokens after the prompt, part of them,",
+        "Share of (layer, KV head) pairs holding all of the pass key's tokens after the prompt, part of them, "
         "or none; the whole-key share on prompts answered right and wrong. Rerun: "
         f"`{payload['command']}`.",
         "",
@@ -123,14 +124,19 @@ def markdown(payload: dict) -> str:
             f"| {name} | {r['correct']}/{r['n']} | {share(r['whole'])} | {share(r['partial'])} | {share(r['none'])} "
             f"| {share(r['whole_when_right'])} | {share(r['whole_when_wrong'])} |"
         )
-    lines += ["", "Whole-key share per layer (layer 0 first):", ""]
+    lines += ["", "Whole-key share per layer, % (layer 0 first):", ""]
     for name, r in payload["summary"].items():
         lines.append(f"- `{name}`: " + " ".join(f"{round(100 * x)}" for x in r["whole_per_layer"]))
-    lines += ["", "Per prompt: key tokens held per layer (sum over KV heads) / (key tokens x heads), "
-              "answer right (+) or wrong (-):", ""]
+    return lines + [""]
+
+
+def markdown(payload: dict) -> str:
+    """The summary, then per prompt the key tokens held per layer."""
+    lines = summary_lines(payload)
+    lines += ["Per prompt: key tokens held per layer (sum over KV heads, out of key tokens x heads), answer "
+              "right (+) or wrong (-):", ""]
     for name, records in payload["records"].items():
-        lines.append(f"`{name}`:")
-        lines.append("")
+        lines += [f"`{name}`:", ""]
         for r in records:
             heads = len(r["held"][0])
             profile = " ".join(str(sum(layer)) for layer in r["held"])

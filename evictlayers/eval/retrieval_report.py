@@ -4,6 +4,10 @@ task and budget and the target check, all computed from the saved runs."""
 
 from __future__ import annotations
 
+from typing import Sequence
+
+from evictlayers.eval.needles import summary_lines
+
 TASKS = (("retrieval_filler", "passkey, filler"), ("retrieval_prose", "passkey, prose"), ("retrieval_lines", "lines"))
 PPL_TARGET = 0.05  # streamed perplexity at 20% within 5% of the full cache
 LINES_TARGET = 1  # lines at 50% within one record of the full cache
@@ -121,8 +125,9 @@ def _cell(run: dict | None) -> str:
     return f"{run['correct']}/{run['n']}" if run else "-"
 
 
-def retrieval_section(results: dict) -> list[str]:
-    """The markdown lines of the section (empty when the retrieval experiments were not run)."""
+def retrieval_section(results: dict, needles: Sequence[dict] = ()) -> list[str]:
+    """The markdown lines of the section (empty when the retrieval experiments were not run), ending
+    with the per-head needle dumps (``evictlayers needles`` payloads) when there are any."""
     if not any(key in results for key, _ in TASKS):
         return []
     budgets = _budgets(results)
@@ -160,4 +165,6 @@ def retrieval_section(results: dict) -> list[str]:
         for run in runs:
             out.append(f"| {run['policy']} | " + " | ".join(f"{run['by_depth'][d]:.0f}" for d in depths) + " |")
         out.append("")
+    for payload in needles:
+        out += summary_lines(payload, heading="###")
     return out
