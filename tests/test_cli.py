@@ -130,6 +130,29 @@ def test_eval_full_cache_perplexity_matches_unmodified_model(checkpoint, books, 
     assert result["runs"][0]["perplexity"] == pytest.approx(teacher_forced_perplexity(model, docs), rel=1e-5)
 
 
+def test_needles_dump_matches_what_a_recent_window_keeps(checkpoint, tmp_path, capsys):
+    """``local`` at 50% keeps the last half of each prompt: a head holds exactly the key tokens there."""
+    from evictlayers.eval.needles import key_token_indices
+
+    out = tmp_path / "needles"
+    main(["needles", "full", "local", "--budget", "0.5", "--haystack", "filler", "--length", "300", "--depths", "3",
+          "--model", str(checkpoint), "--out", str(out)])
+    payload = json.loads((out / "needles.json").read_text())
+    assert "| full | " in (out / "needles.md").read_text()
+    assert payload["summary"]["full"]["whole"] == 1.0
+    tokenizer = char_tokenizer()
+    from evictlayers.eval.suite import PasskeyTask
+
+    rows = PasskeyTask(tokenizer, lengths=[300], depths=3).build_rows()
+    for row, record in zip(rows, payload["records"]["local"]):
+        n = record["prompt_tokens"]
+        kept_from = n - (n + 1) // 2  # budget round_half_up(0.5 n) of the most recent tokens
+        expected = sum(i >= kept_from for i in key_token_indices(tokenizer, row["text"], row["answer"]))
+        assert all(count == expected for layer in record["held"] for count in layer), (record, expected)
+    depths = [r["depth"] for r in payload["records"]["local"]]
+    assert depths == [0.0, 0.5, 1.0]
+
+
 def test_generate_prints_text_and_cache_stats(checkpoint, capsys):
     assert main(["generate", "h2o", "The pass key is 12345. " * 10, "--model", str(checkpoint),
                  "--max-new-tokens", "5", "--budget", "16"]) == 0

@@ -6,28 +6,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
-
 import evictlayers as el
 from evictlayers.eval.needles import held_key_tokens, key_token_indices, summarize
+from test_eval_helpers import char_tokenizer
 from tiny_models import build, single_thread  # noqa: F401
-
-
-def _char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character: token ``i`` is character ``i`` of the text."""
-    vocab = {c: i for i, c in enumerate(sorted(set("abcdefghijklmnopqrstuvwxyz0123456789 .,:")))}
-    vocab["[UNK]"] = len(vocab)
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer)
 
 
 def test_key_tokens_are_the_first_occurrence_of_the_key():
     text = "the pass key is 40213. remember it. what is the pass key? 40213"
-    assert key_token_indices(_char_tokenizer(), text, "40213") == list(range(16, 21))
+    assert key_token_indices(char_tokenizer(), text, "40213") == list(range(16, 21))
     with pytest.raises(ValueError, match="does not occur"):
-        key_token_indices(_char_tokenizer(), text, "99999")
+        key_token_indices(char_tokenizer(), text, "99999")
 
 
 def test_held_key_tokens_count_what_a_recent_window_keeps():
