@@ -164,7 +164,7 @@ def test_generate_prints_text_and_cache_stats(checkpoint, capsys):
 @pytest.mark.parametrize("module", ["evictlayers.cli", "evictlayers"])
 def test_console_script_is_installed(module):
     done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
-    assert done.returncode == 0 and "{eval,generate,claims}" in done.stdout
+    assert done.returncode == 0 and "{eval,generate,claims,needles}" in done.stdout
 
 
 @pytest.mark.slow
