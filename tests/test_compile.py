@@ -89,8 +89,10 @@ def test_shipped_recipes_compile_without_recompiles(recipe):
     torch._dynamo.reset()
     counters.clear()
     compiled, _ = decode_logits(model, policy, compile=True, steps=100)
-    # a full cache grows between steps: automatic dynamic shapes allow one more, shape-generic graph
-    assert counters["stats"]["unique_graphs"] <= (2 if recipe == "full" else 1), dict(counters["stats"])
+    # a full cache grows between steps, and a per-layer allocation (scissorhands' Ramp) gives the layers
+    # different slot counts: automatic dynamic shapes allow one more, shape-generic graph, never one per size
+    sizes_vary = recipe == "full" or not isinstance(policy.allocation, el.Uniform)
+    assert counters["stats"]["unique_graphs"] <= (2 if sizes_vary else 1), dict(counters["stats"])
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 

@@ -70,6 +70,19 @@ def test_keydiff_keeps_the_odd_key_among_repeats():
     assert all(20 in h[0] for h in history)
 
 
+def test_keynorm_near_equal_norms_evict_the_oldest():
+    """A repeated token's keys differ only by RoPE, which keeps the norm: rounding noise (here 1e-6
+    relative) must not decide which goes; the oldest of the near-tied highest norms does."""
+    key = torch.randn(8, generator=torch.Generator().manual_seed(0))
+    key = key / key.norm() * 2.0
+    keys = torch.stack([key, key * (1 + 1e-6), key * 0.5, key * 0.25])[None, None]  # positions 0..3
+    store = el.SlotStore(el.Policy(el.HeavyHitterSelector(el.KeyNorm()), budget=3))
+    store.step(keys[:, :, :3], keys[:, :, :3], keys[:, :, :3], scaling=1.0)
+    assert sorted(store.pos[0, 0][store.pos[0, 0] >= 0].tolist()) == [0, 1, 2]
+    store.step(keys[:, :, 3:], keys[:, :, 3:], keys[:, :, 3:], scaling=1.0)
+    assert sorted(store.pos[0, 0][store.pos[0, 0] >= 0].tolist()) == [1, 2, 3]  # the exact rule would drop 1
+
+
 @pytest.mark.parametrize("reduce", ["mean", "max"])
 def test_pooled_selection_matches_reference(reduce):
     torch.manual_seed(5)

@@ -328,8 +328,11 @@ class Policy(nn.Module):
     @property
     def tie_tolerance(self) -> float:
         """Relative gap under which two priorities count as tied (the oldest slot goes first): 0 (exact)
-        except for k-center, whose distances tie exactly in real arithmetic (``TIE_TOLERANCE``)."""
-        return TIE_TOLERANCE if self.kcenter is not None else 0.0
+        except for scores that tie exactly in real arithmetic: k-center distances (``TIE_TOLERANCE``)
+        and accumulators that say so (``KeyNorm``: RoPE keeps a repeated token's key norm)."""
+        members = self.selectors.members if self.selectors is not None else []
+        scored = [m.accumulator.tie_tolerance for m in members if isinstance(m, HeavyHitterSelector)]
+        return max([TIE_TOLERANCE if self.kcenter is not None else 0.0, *scored])
 
     def observe(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
         """Let the scorers fold this step's attention (and, for k-center, the keys) into their state."""

@@ -23,6 +23,9 @@ class ScoreAccumulator(Component):
     head_state_specs: dict[str, tuple[int | str, ...]] = {}
     rows_needed: int = 0  # how many of a step's last query rows ``Observation.rows`` must hold
     nonnegative: bool = True  # scores are attention mass (>= 0), so a multiplicative prior may weight them
+    # relative gap under which two scores count as tied (the oldest slot goes first): 0 = exact; a score
+    # that ties exactly in real arithmetic (a rotation-invariant one) sets it so float noise cannot decide
+    tie_tolerance: float = 0.0
 
     def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
         """Fold this step's attention into ``state`` in place."""

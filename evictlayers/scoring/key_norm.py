@@ -15,10 +15,15 @@ class KeyNorm(ScoreAccumulator):
 
     A key's norm never changes while it is held, so it is computed once, when the key arrives
     (``Observation.inserted``), and kept per slot: ranking reads one float per slot and no key.
+
+    A repeated token's keys differ only by their RoPE rotation, which keeps the norm: their scores tie
+    in real arithmetic, so norms within a relative ``tie_tolerance`` count as equal and the oldest of
+    them goes first (otherwise rounding, which differs between eager and compiled code, would decide).
     """
 
     state_specs = {"key_norm": ()}
     nonnegative = False  # minus a norm: a multiplicative prior would invert the ranking
+    tie_tolerance = 1e-4
 
     def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
         keys, _ = inserted_keys(observation, view, "KeyNorm")
