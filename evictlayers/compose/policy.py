@@ -329,10 +329,13 @@ class Policy(nn.Module):
     def tie_tolerance(self) -> float:
         """Relative gap under which two priorities count as tied (the oldest slot goes first): 0 (exact)
         except for scores that tie exactly in real arithmetic: k-center distances (``TIE_TOLERANCE``)
-        and accumulators that say so (``KeyNorm``: RoPE keeps a repeated token's key norm)."""
-        members = self.selectors.members if self.selectors is not None else []
-        scored = [m.accumulator.tie_tolerance for m in members if isinstance(m, HeavyHitterSelector)]
-        return max([TIE_TOLERANCE if self.kcenter is not None else 0.0, *scored])
+        and the last selector's accumulator when it says so (``KeyNorm``: RoPE keeps a repeated token's
+        key norm)."""
+        if self.kcenter is not None:
+            return TIE_TOLERANCE
+        # eviction ranks by the last selector's score (earlier ones' claims sit at CLAIMED)
+        last = self.selectors.members[-1] if self.selectors is not None else None
+        return last.accumulator.tie_tolerance if isinstance(last, HeavyHitterSelector) else 0.0
 
     def observe(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
         """Let the scorers fold this step's attention (and, for k-center, the keys) into their state."""
