@@ -6,7 +6,8 @@ the per-slot mass, updates the scores and evicts one token: the steady state of 
 ``el-<recipe>`` is the recipe's eager step, ``el-<recipe>-compiled`` its compiled one: H2O (attention
 mass), and the key-geometry scorers of issue #9 (KeyDiff reads every held key once per step for its
 cosines, its anchor updated incrementally; KeyNorm reads one stored norm per slot) and the
-``tova_keydiff`` split (two rankings, a sort for the first selector's claims). The baseline is ``torch.nn.functional.scaled_dot_product_attention`` of one query over
+``tova_keydiff`` split (two scores, one ``kthvalue`` for the first selector's claims). The baseline
+is ``torch.nn.functional.scaled_dot_product_attention`` of one query over
 the same number of keys (no scoring, no eviction). Shapes are SmolLM2's: 9 query heads, 3 KV heads,
 head dim 64, float32. The value is the median over ``repeats`` blocks of the mean step time.
 """

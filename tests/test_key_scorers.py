@@ -204,3 +204,38 @@ def test_bad_policies_with_several_selectors_are_named():
                   el.HeavyHitterSelector(el.KeyNorm(), share=0.1), budget=5)
     with pytest.raises(ValueError, match="not non-negative attention mass"):
         el.HeavyHitterSelector(el.KeyDiff(), prior=el.ValuePrior())
+
+
+def _top_slots_reference(score, pos, open_slots, count):
+    """Per head, a Python sort of the open slots by (score, position), both descending."""
+    out = torch.zeros_like(open_slots)
+    for b in range(score.shape[0]):
+        for h in range(score.shape[1]):
+            slots = [i for i in range(score.shape[2]) if open_slots[b, h, i]]
+            ranked = sorted(slots, key=lambda i: (-float(score[b, h, i]), -int(pos[b, h, i])))
+            for i in ranked[: max(int(count[b]), 0)]:
+                out[b, h, i] = True
+    return out
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_top_slots_matches_a_sort_with_ties_signed_zeros_and_infinities(compiled):
+    """The packed-key selection behind several selectors' claims keeps what sorting by (score, newest)
+    keeps: exact ties (half the scores come from 4 values), -0.0 beside +0.0, +-inf, empty slots
+    (position -1), and counts of 0, below, at and above the open slots of a row."""
+    from evictlayers.compose.selection import top_slots
+
+    generator = torch.Generator().manual_seed(3)
+    batch, heads, slots = 4, 3, 37
+    score = torch.randn(batch, heads, slots, generator=generator)
+    tied = torch.rand(batch, heads, slots, generator=generator) < 0.5
+    score = torch.where(tied, torch.tensor([-1.5, 0.0, -0.0, 2.0])[torch.randint(4, score.shape, generator=generator)], score)
+    score[1, 0, :4] = torch.tensor([-0.0, 0.0, -torch.inf, torch.inf])
+    pos = torch.stack([torch.randperm(1000, generator=generator)[:slots] for _ in range(batch * heads)])
+    pos = pos.view(batch, heads, slots)
+    empty = torch.rand(batch, heads, slots, generator=generator) < 0.15
+    pos = pos.masked_fill(empty, -1)
+    open_slots = ~empty & (torch.rand(batch, heads, slots, generator=generator) < 0.8)
+    count = torch.tensor([0, 11, 30, slots])
+    select = torch.compile(top_slots, fullgraph=True) if compiled else top_slots
+    assert torch.equal(select(score, pos, open_slots, count), _top_slots_reference(score, pos, open_slots, count))
