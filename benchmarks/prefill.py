@@ -2,7 +2,9 @@
 
 ``hf-sdpa`` (baseline) is the unmodified model with SDPA attention; ``el-h2o`` runs the same prompt
 under ``evictlayers/recipes/h2o.yaml`` (20%), whose prefill also computes every key's attention mass chunk by
-chunk and keeps 20% of the tokens. Both compute the last position's logits only, as ``generate()``.
+chunk and keeps 20% of the tokens; ``el-streaming_llm`` (no scorer) and ``el-keydiff`` (keys only) read
+no attention mass, so their prefill is the flash pass alone (plus KeyDiff's cosines). All compute the
+last position's logits only, as ``generate()``.
 
 Every measurement runs in a fresh process (forked from a fork server that has imported torch,
 transformers and evictlayers, so a process costs no import time): it loads the model, builds the
@@ -27,7 +29,7 @@ from benchmarks.common import Case, Context, estimate_prefill_s, load_subject, m
 NAME = "prefill"
 BASELINE = "hf-sdpa"
 DEFAULT_REPEATS = 1  # a 16k prefill takes minutes on 2 cores; --repeats N runs N processes per config
-CONFIGS = ("hf-sdpa", "el-h2o")
+CONFIGS = ("hf-sdpa", "el-h2o", "el-streaming_llm", "el-keydiff")
 LOAD_S = 5.0  # loading the model in a fresh process, for the estimate only
 
 
@@ -62,10 +64,10 @@ def measure_in_child(quick: bool, threads: int, config: str, tokens: int) -> dic
     subject = load_subject(quick)
     model, ids = subject.model, subject.prompt(tokens)
     mask = torch.ones_like(ids)
-    if config == "el-h2o":
+    if config.startswith("el-"):
         import evictlayers as el
 
-        el.apply(model, recipe("h2o"))  # stays applied: the process ends after this one prefill
+        el.apply(model, recipe(config.removeprefix("el-")))  # stays applied: the process ends after this prefill
     else:
         model.set_attn_implementation("sdpa")
     gc.collect()
@@ -112,7 +114,7 @@ def cases(context: Context) -> list[Case]:
     out = []
     for tokens in prompts(settings.quick):
         for config in CONFIGS:
-            prefill_s = estimate_prefill_s(context.subject.geometry, tokens, config != BASELINE, context.cores)
+            prefill_s = estimate_prefill_s(context.subject.geometry, tokens, config == "el-h2o", context.cores)
             estimate = repeats * (LOAD_S + prefill_s)
             out.append(Case(NAME, config, {"prompt": tokens}, estimate, lambda c=config, t=tokens: measure(c, t)))
     return out

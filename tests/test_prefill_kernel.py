@@ -3,6 +3,9 @@
 import pytest
 import torch
 
+import evictlayers as el
+from evictlayers.compose.recipes import shipped_recipes
+
 from evictlayers.kernels import dispatch
 from evictlayers.kernels.attention_mass import attention_with_mass
 from evictlayers.kernels.decode_attention import decode_attention_with_mass
@@ -52,6 +55,46 @@ def test_cpu_prefill_matches_reference(reduce, older, new, groups, window, chunk
     got = attention_with_mass_cpu(query, key, value, query_pos, key_pos, **kwargs)
     assert_same(got, attention_with_mass(query, key, value, query_pos, key_pos, **kwargs))
     assert (got.out[1, :, :3] == 0).all() and (got.mass[key_pos < 0] == 0).all()
+
+
+@pytest.mark.parametrize("keep_rows", [0, 1, 6, 40], ids=lambda r: f"rows{r}")
+@pytest.mark.parametrize("with_gain", [False, True], ids=["model-softmax", "score-gain"])
+def test_cpu_prefill_without_the_mass_keeps_output_and_rows(keep_rows, with_gain):
+    """``mass=False`` (a policy that reads no summed mass) skips the recompute outside the kept rows: the
+    output and the kept rows are the reference's, across chunk boundaries, with a window and a gain."""
+    query, key, value, query_pos, key_pos = prefill_inputs(11, 13, 31, groups=3)
+    gain = torch.rand(2, 31, generator=torch.Generator().manual_seed(4)) * 3 if with_gain else None
+    kwargs = dict(scaling=0.3, sliding_window=7, score_gain=gain, keep_rows=keep_rows, max_chunk_elements=500)
+    got = attention_with_mass_cpu(query, key, value, query_pos, key_pos, mass=False, **kwargs)
+    want = attention_with_mass(query, key, value, query_pos, key_pos, **kwargs)
+    assert_same(got._replace(mass=want.mass), want)
+    assert (got.mass == 0).all()
+
+
+def test_cpu_prefill_without_mass_or_rows_scores_nothing(monkeypatch):
+    """With neither the mass nor kept rows wanted, no probability is recomputed: the flash op alone."""
+    import evictlayers.kernels.prefill_cpu as prefill_cpu
+
+    scored = []
+    real = prefill_cpu._scoring_probs
+    monkeypatch.setattr(prefill_cpu, "_scoring_probs", lambda *a: scored.append(1) or real(*a))
+    query, key, value, query_pos, key_pos = prefill_inputs(13, 5, 40)
+    attention_with_mass_cpu(query, key, value, query_pos, key_pos, scaling=0.3, mass=False, max_chunk_elements=300)
+    assert scored == []
+    attention_with_mass_cpu(query, key, value, query_pos, key_pos, scaling=0.3, mass=False, keep_rows=2,
+                            max_chunk_elements=300)
+    assert len(scored) == 2  # chunks of one query here (300 elements): the last two only
+
+
+def test_dispatcher_without_the_mass_returns_zeros_on_every_kernel(kernels, monkeypatch):
+    query, key, value, query_pos, key_pos = prefill_inputs(12, 5, 9)
+    for choice in ("auto", "reference"):
+        monkeypatch.setattr(dispatch, "_requested", choice)
+        got = dispatch.prefill_attention(query, key, value, query_pos, key_pos, scaling=0.3, keep_rows=2,
+                                         need_mass=False)
+        want = attention_with_mass(query, key, value, query_pos, key_pos, scaling=0.3, keep_rows=2)
+        assert_same(got._replace(mass=want.mass), want)
+        assert (got.mass == 0).all(), choice
 
 
 def test_cpu_prefill_in_half_precision_and_with_keep_rows_beyond_the_chunk():
@@ -151,3 +194,41 @@ def test_decode_dispatcher_traces_into_one_graph(kernels):
     kwargs = dict(scaling=0.3, score_gain=torch.tensor([1.5, 0.5]), gqa_reduce="max", sliding_window=20)
     compiled = torch.compile(dispatch.decode_attention, fullgraph=True, backend="eager")
     assert_same(compiled(*args, **kwargs), decode_attention_with_mass(*args, **kwargs), atol=0.0)
+
+
+def _prefill_and_decode(policy, monkeypatch, force_mass: bool):
+    """Prefill 300 random tokens (head dim 64, as the int4 recipes' groups need) into a store under
+    ``policy`` then decode 4; with ``force_mass`` every prefill computes the summed mass whatever the
+    policy reads."""
+    import evictlayers.compose.store as store_module
+
+    real = store_module.prefill_attention
+    if force_mass:
+        monkeypatch.setattr(store_module, "prefill_attention", lambda *a, **k: real(*a, **{**k, "need_mass": True}))
+    g = torch.Generator().manual_seed(21)
+    q, k, v = (torch.randn(2, h, 304, 64, generator=g) for h in (6, 2, 2))
+    store = el.SlotStore(policy)
+    outs = [store.step(q[:, :, :300], k[:, :, :300], v[:, :, :300], scaling=0.125)]
+    outs += [store.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], scaling=0.125) for i in range(300, 304)]
+    monkeypatch.setattr(store_module, "prefill_attention", real)
+    return store, outs
+
+
+@pytest.mark.parametrize("recipe", shipped_recipes())
+def test_skipping_the_mass_changes_no_shipped_recipe(recipe, monkeypatch):
+    """A policy that declares it reads no summed mass (``reads_mass``) keeps, scores and outputs exactly
+    what it does when the prefill computes the mass anyway."""
+    policy = el.load_recipe(recipe)
+    skipped, skipped_outs = _prefill_and_decode(policy, monkeypatch, force_mass=False)
+    forced, forced_outs = _prefill_and_decode(el.load_recipe(recipe), monkeypatch, force_mass=True)
+    assert torch.equal(skipped.pos, forced.pos)
+    for name in forced.state:
+        torch.testing.assert_close(skipped.state[name], forced.state[name], rtol=0, atol=0, equal_nan=True)
+    for a, b in zip(skipped_outs, forced_outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_which_policies_read_the_mass():
+    assert el.load_recipe("h2o").reads_mass and el.load_recipe("ahakv").reads_mass
+    assert not any(el.load_recipe(r).reads_mass for r in ("streaming_llm", "local", "full", "keydiff", "knorm",
+                                                           "tova", "snapkv", "scissorhands", "tova_keydiff"))

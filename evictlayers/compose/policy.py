@@ -316,6 +316,11 @@ class Policy(nn.Module):
         """How many of a step's last query rows the scorers read individually."""
         return self.selectors.rows_needed if self.selectors is not None else 0
 
+    @property
+    def reads_mass(self) -> bool:
+        """Whether a scorer reads the summed attention mass (a prefill computes it only then)."""
+        return self.selectors.reads_mass if self.selectors is not None else False
+
     def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
         """``[B, Q]`` factor on the logits of the scoring softmax, or ``None`` to score with the model's."""
         return self.selectors.score_gain(query_pos, budget) if self.selectors is not None else None

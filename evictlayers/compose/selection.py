@@ -126,6 +126,10 @@ class SelectorSet(nn.Module):
     def rows_needed(self) -> int:
         return max(member.rows_needed for member in self.members)
 
+    @property
+    def reads_mass(self) -> bool:
+        return any(member.reads_mass for member in self.members)
+
     def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
         for member in self.members:
             if getattr(member, "transform", None) is not None:

@@ -193,7 +193,7 @@ class SlotStore:
             attended_query, attended_keys, values, query_pos, pos,
             scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=self.policy.gqa_reduce,
             score_gain=self.policy.score_gain(query_pos, self.budget), keep_rows=self.policy.rows_needed,
-            lse_out=lse,
+            lse_out=lse, need_mass=self.policy.reads_mass,
         )
         out = attention.out
         if merge:

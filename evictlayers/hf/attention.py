@@ -61,7 +61,7 @@ def evicting_attention(
             table = run.rotary.rows(key.shape[2], key.device, key.dtype)
             ranks = key_pos.clamp(min=0)
             query, key = rotate_queries(query, ranks, table), rotate_at(key, ranks, table)
-        out = prefill_attention(query, key, value, pos, key_pos, **options).out
+        out = prefill_attention(query, key, value, pos, key_pos, **options, need_mass=False).out
     return out.transpose(1, 2).contiguous(), None
 
 

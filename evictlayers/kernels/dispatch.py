@@ -16,6 +16,7 @@ The choice comes from the environment variable ``EVICTLAYERS_KERNELS``, read onc
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 
@@ -104,25 +105,34 @@ def prefill_attention(
     keep_rows: int = 0,
     max_chunk_elements: int = 1 << 24,
     lse_out: torch.Tensor | None = None,
+    need_mass: bool = True,
 ) -> AttentionMass:
     """``attention_with_mass`` on the chosen kernel; see it for the arguments and shapes.
+
+    ``need_mass=False``: the caller reads no summed mass (its rows and output only), which comes back
+    as zeros; the CPU kernel then skips recomputing probabilities outside the kept rows (the output of
+    a policy with no attention scorer costs one flash pass), the other kernels compute and drop it.
 
     ``lse_out`` (each query's log-sum-exp, wanted when a ``ClusterSketch`` is merged into a chunked
     prefill) is filled by the reference only, so asking for it selects the reference."""
     if lse_out is not None:
-        return attention_with_mass(
+        attention = attention_with_mass(
             query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap,
             sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain,
             keep_rows=keep_rows, max_chunk_elements=max_chunk_elements, lse_out=lse_out,
         )
-    if _use_triton(query):
-        from evictlayers.kernels.triton_prefill import attention_with_mass_triton as kernel
-    elif kernel_choice() == "auto" and query.device.type == "cpu":
-        kernel = attention_with_mass_cpu
     else:
-        kernel = attention_with_mass
-    return kernel(
-        query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap,
-        sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain,
-        keep_rows=keep_rows, max_chunk_elements=max_chunk_elements,
-    )
+        if _use_triton(query):
+            from evictlayers.kernels.triton_prefill import attention_with_mass_triton as kernel
+        elif kernel_choice() == "auto" and query.device.type == "cpu":
+            kernel = functools.partial(attention_with_mass_cpu, mass=need_mass)
+        else:
+            kernel = attention_with_mass
+        attention = kernel(
+            query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap,
+            sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain,
+            keep_rows=keep_rows, max_chunk_elements=max_chunk_elements,
+        )
+    if not need_mass:
+        attention = attention._replace(mass=torch.zeros_like(attention.mass))
+    return attention

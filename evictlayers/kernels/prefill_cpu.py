@@ -44,8 +44,13 @@ def attention_with_mass_cpu(
     score_gain: torch.Tensor | None = None,
     keep_rows: int = 0,
     max_chunk_elements: int = 1 << 24,
+    mass: bool = True,
 ) -> AttentionMass:
     """Flash-CPU twin of ``attention_with_mass``; see it for the arguments and shapes.
+
+    ``mass=False`` (a policy whose scorers read no summed mass: key-geometry scores, windows of rows,
+    no scorer at all) leaves the mass at zeros and recomputes probabilities only for the chunks holding
+    one of the last ``keep_rows`` queries, so a prefill with nothing to score costs the flash op alone.
 
     Falls back to the reference when ``softcap`` is set (the flash op has no soft-capping, and a
     capped logit cannot be expressed through its additive mask) or when the value head size differs
@@ -96,14 +101,20 @@ def attention_with_mass_cpu(
         slot_values = values[:, :, :limit].expand(-1, groups, -1, -1)
         chunk_queries = queries[:, :, start:stop]
         out[:, :, start:stop], lse = _FLASH(chunk_queries, slot_keys, slot_values, attn_mask=bias, scale=scaling)
+        # without the mass, only the kept rows of the chunk are scored (none: the output is all it needs)
+        skip = 0 if mass else max(0, first_kept_row - start)
+        if start + skip >= stop:
+            continue
+        chunk_queries, lse, bias, visible = (t[:, :, skip:] for t in (chunk_queries, lse, bias, visible))
         if score_gain is not None:
             # gain * logit is the logit of the gained query: the op's LSE is the scoring normaliser
-            chunk_queries = chunk_queries * score_gain[batch_of, None, start:stop, None].float()
+            chunk_queries = chunk_queries * score_gain[batch_of, None, start + skip : stop, None].float()
             _, lse = _FLASH(chunk_queries, slot_keys, slot_values, attn_mask=bias, scale=scaling)
         probs_of = _scoring_probs(chunk_queries * scaling, keys[:, :limit], lse, visible.float())
         for offset, probs in probs_of:  # [B * H_kv, G, r, limit] for the chunk's rows offset, offset + 1, ...
-            per_head_mass[..., :limit] += probs.sum(dim=2)
-            lo = start + offset
+            if mass:
+                per_head_mass[..., :limit] += probs.sum(dim=2)
+            lo = start + skip + offset
             hi = lo + probs.shape[2]
             if hi > first_kept_row:
                 kept = probs[:, :, max(0, first_kept_row - lo) :].view(batch, kv_heads, groups, -1, limit)
@@ -111,8 +122,8 @@ def attention_with_mass_cpu(
                     kept, gqa_reduce
                 )
 
-    mass = reduce_group(per_head_mass.view(batch, kv_heads, groups, n_slots), gqa_reduce)
-    return AttentionMass(out.view(batch, q_heads, q_len, head_dim).to(query.dtype), mass, rows)
+    summed = reduce_group(per_head_mass.view(batch, kv_heads, groups, n_slots), gqa_reduce)
+    return AttentionMass(out.view(batch, q_heads, q_len, head_dim).to(query.dtype), summed, rows)
 
 
 def _scoring_probs(queries: torch.Tensor, keys: torch.Tensor, lse: torch.Tensor, visible: torch.Tensor):

@@ -449,6 +449,10 @@ class ClusterSketch(Component):
     def rows_needed(self) -> int:
         return 0
 
+    @property
+    def reads_mass(self) -> bool:
+        return False  # k-center reads keys
+
     def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> None:
         return None  # key-fed: never changes the scoring softmax
 

@@ -127,6 +127,10 @@ class HeavyHitterSelector(Component):
     def rows_needed(self) -> int:
         return self.accumulator.rows_needed
 
+    @property
+    def reads_mass(self) -> bool:
+        return self.accumulator.reads_mass
+
     def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
         """``[B, Q]`` factor on the logits of the scoring softmax, or ``None`` for the model's own."""
         return None if self.transform is None else self.transform.score_gain(query_pos, budget)

@@ -22,6 +22,9 @@ class ScoreAccumulator(Component):
     state_specs: dict[str, tuple[int, ...]] = {}
     head_state_specs: dict[str, tuple[int | str, ...]] = {}
     rows_needed: int = 0  # how many of a step's last query rows ``Observation.rows`` must hold
+    # whether ``update`` reads ``Observation.mass`` (the summed probabilities): a prefill whose scorers
+    # read none skips computing it (the CPU kernel's second pass over the logits)
+    reads_mass: bool = True
     nonnegative: bool = True  # scores are attention mass (>= 0), so a multiplicative prior may weight them
     # relative gap under which two scores count as tied (the oldest slot goes first): 0 = exact; a score
     # that ties exactly in real arithmetic (a rotation-invariant one) sets it so float noise cannot decide

@@ -43,6 +43,7 @@ class KeyDiff(ScoreAccumulator):
 
     head_state_specs = {"anchor": ("head_dim",)}
     nonnegative = False  # a negative cosine: a multiplicative prior would invert the ranking
+    reads_mass = False  # keys only
 
     def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
         keys, held = inserted_keys(observation, view, "KeyDiff")

@@ -23,6 +23,7 @@ class KeyNorm(ScoreAccumulator):
 
     state_specs = {"key_norm": ()}
     nonnegative = False  # minus a norm: a multiplicative prior would invert the ranking
+    reads_mass = False  # keys only
     tie_tolerance = 1e-4
 
     def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:

@@ -48,6 +48,7 @@ class LowScoreCounter(ScoreAccumulator):
 
     param_names = ("window", "threshold")
     nonnegative = False  # the score is minus a count: it cannot be weighted by a prior
+    reads_mass = False  # the last rows only
 
     def __init__(self, window: int = 32, threshold: str | float = "1/t"):
         super().__init__()

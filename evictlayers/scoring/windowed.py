@@ -70,6 +70,8 @@ class Windowed(ScoreAccumulator):
     def state_specs(self) -> dict[str, tuple[int, ...]]:  # type: ignore[override]
         return {"window": (self.rows,)}
 
+    reads_mass = False  # the last rows only
+
     @property
     def rows_needed(self) -> int:  # type: ignore[override]
         return self.rows
