@@ -61,6 +61,7 @@ class Windowed(ScoreAccumulator):
     """
 
     param_names = ("rows",)
+    reads_mass = False  # the last rows only
 
     def __init__(self, rows: int = 32):
         super().__init__()
@@ -69,8 +70,6 @@ class Windowed(ScoreAccumulator):
     @property
     def state_specs(self) -> dict[str, tuple[int, ...]]:  # type: ignore[override]
         return {"window": (self.rows,)}
-
-    reads_mass = False  # the last rows only
 
     @property
     def rows_needed(self) -> int:  # type: ignore[override]
