@@ -6,7 +6,8 @@ the per-slot mass, updates the scores and evicts one token: the steady state of 
 ``el-<recipe>`` is the recipe's eager step, ``el-<recipe>-compiled`` its compiled one: H2O (attention
 mass), and the key-geometry scorers of issue #9 (KeyDiff reads every held key once per step for its
 cosines, its anchor updated incrementally; KeyNorm reads one stored norm per slot) and the
-``tova_keydiff`` split (two scores, one ``kthvalue`` for the first selector's claims). The baseline
+``tova_keydiff`` split (two scores, one ``kthvalue`` for the first selector's claims), and StreamingLLM
+with absolute and with rolling positions (every held key rotated to its rank at every step). The baseline
 is ``torch.nn.functional.scaled_dot_product_attention`` of one query over
 the same number of keys (no scoring, no eviction). Shapes are SmolLM2's: 9 query heads, 3 KV heads,
 head dim 64, float32. The value is the median over ``repeats`` blocks of the mean step time.
@@ -25,8 +26,9 @@ DEFAULT_REPEATS = 5
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 CONFIGS = (
     "sdpa", "el-h2o", "el-h2o-compiled", "el-keydiff", "el-keydiff-compiled", "el-knorm-compiled",
-    "el-tova_keydiff-compiled",
+    "el-tova_keydiff-compiled", "el-streaming_llm-compiled", "el-streaming_llm-rolling-compiled",
 )
+ROPE_BASE = 10000.0  # SmolLM2's rotary base, for the rolling configuration's table
 STEP_OVERHEAD_S = 2e-3  # the eager store's small ops per step, for the estimate only
 
 
@@ -49,16 +51,32 @@ def random_step(batch: int, generator: torch.Generator) -> tuple[torch.Tensor, .
 
 
 def recipe_of(config: str) -> str:
-    """``el-keydiff-compiled`` -> ``keydiff``."""
+    """``el-keydiff-compiled`` -> ``keydiff``; ``el-streaming_llm-rolling-compiled`` -> ``streaming_llm-rolling``."""
     return config.removeprefix("el-").removesuffix("-compiled")
+
+
+def rope_table(rows: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain RoPE (rotate-half form, base ``ROPE_BASE``) at positions ``0..rows-1``: ``(cos, sin)`` ``[rows, 64]``."""
+    inverse = ROPE_BASE ** -(torch.arange(0, HEAD_DIM, 2, dtype=torch.float32) / HEAD_DIM)
+    angles = torch.arange(rows, dtype=torch.float32)[:, None] * inverse
+    angles = torch.cat([angles, angles], dim=-1)
+    return angles.cos().to(device, dtype), angles.sin().to(device, dtype)
 
 
 def filled_layer(slots: int, name: str = "h2o"):
     """A batch-1 cache layer under recipe ``name`` whose ``slots`` slots hold ``slots - 1`` tokens of a
-    random prompt (the transformers cache layer around a ``SlotStore``, for its ``reorder_cache`` tiling)."""
+    random prompt (the transformers cache layer around a ``SlotStore``, for its ``reorder_cache`` tiling).
+    ``<recipe>-rolling`` is the recipe with ``positions="rolling"`` and a plain RoPE table."""
+    from evictlayers.compose.positions import RotaryTable
+    from evictlayers.compose.recipes import policy_from_dict, policy_to_dict
     from evictlayers.hf.cache import EvictionLayer
 
-    layer = EvictionLayer(recipe(name, budget=slots - 1))
+    policy, rotary = recipe(name.removesuffix("-rolling"), budget=slots - 1), None
+    if name.endswith("-rolling"):
+        data = policy_to_dict(policy)
+        data["positions"] = "rolling"
+        policy, rotary = policy_from_dict(data, source=f"{name} with budget={slots - 1}"), RotaryTable(rope_table)
+    layer = EvictionLayer(policy, rotary=rotary)
     generator = torch.Generator().manual_seed(slots)
     query = torch.randn(1, Q_HEADS, slots, HEAD_DIM, generator=generator)
     key, value = (torch.randn(1, KV_HEADS, slots, HEAD_DIM, generator=generator) for _ in range(2))

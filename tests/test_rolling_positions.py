@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import evictlayers as el
-from evictlayers.compose.positions import RotaryTable, slot_ranks
+from evictlayers.compose.positions import RotaryTable, rotate, slot_ranks
 from tiny_models import FAMILIES, _llama_like, build, left_padded, single_thread  # noqa: F401
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -117,6 +117,20 @@ def test_positions_round_trip_through_recipe_yaml():
     loaded = el.compose.recipes.policy_from_dict(el.compose.recipes.policy_to_dict(policy))
     assert loaded == policy and loaded.positions == "rolling"
     assert el.Policy(el.SinkTokens(4), el.RecentWindow(), budget=32) != policy
+
+
+@pytest.mark.parametrize("width", [64, 48, 16], ids=lambda w: f"rotary{w}of64")
+def test_rotate_is_transformers_rotate_half_form(width):
+    """``rotate`` (written out per half) against transformers' own ``x * cos + rotate_half(x) * sin`` on
+    the first ``width`` dims, the rest passed through (partial rotary), with a per-dim table."""
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 3, 7, 64, generator=generator)
+    cos, sin = (torch.randn(7, width, generator=generator) for _ in range(2))
+    head, tail = x[..., :width], x[..., width:]
+    expected = torch.cat((head * cos + rotate_half(head) * sin, tail), dim=-1)
+    assert torch.equal(rotate(x, cos, sin), expected)
 
 
 def test_slot_ranks_match_a_plain_loop():
