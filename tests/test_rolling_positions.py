@@ -221,6 +221,37 @@ def test_rolling_decode_matches_streaming_llm_position_assignment(drop):
     assert gaps > 0  # eviction happened: ranks differ from original positions
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("drop", [1, 3, 12], ids=lambda d: f"drop{d}")
+def test_rolling_ranks_kept_by_the_decode_step_equal_a_fresh_ranking(drop, compiled):
+    """The decode step keeps each slot's rank up to date instead of sorting (a new token takes the count
+    of the others, an eviction lowers newer slots by one; drops above 8 re-rank by one sort): after every
+    step, with padding steps in one row and a beam-search reorder midway, the held slots' ranks equal
+    ``slot_ranks`` of the positions."""
+    generator = torch.Generator().manual_seed(11)
+    batch, kv_heads, dim, prompt, steps = 2, 2, 8, 30, 40
+    q = torch.randn(batch, 2 * kv_heads, prompt + steps, dim, generator=generator)
+    k = torch.randn(batch, kv_heads, prompt + steps, dim, generator=generator)
+    v = torch.randn(batch, kv_heads, prompt + steps, dim, generator=generator)
+    policy = el.Policy(el.SinkTokens(2), el.HeavyHitterSelector(el.Cumulative()), budget=20, drop=drop,
+                       positions="rolling")
+    layer = el.hf.cache.EvictionLayer(policy, compile=compiled, rotary=_formula_table())
+    store = layer.store
+    store.step(q[:, :, :prompt], k[:, :, :prompt], v[:, :, :prompt], scaling=0.4)
+    evicted = 0
+    for t in range(prompt, prompt + steps):
+        real = torch.tensor([[True], [t % 5 != 0]])  # row 1 pads every fifth step
+        held_before = int((store.pos >= 0).sum())
+        store.step(q[:, :, t : t + 1], k[:, :, t : t + 1], v[:, :, t : t + 1], real, scaling=0.4)
+        evicted += held_before + int(real.sum()) * kv_heads - int((store.pos >= 0).sum())
+        if t == prompt + steps // 2:
+            layer.reorder_cache(torch.tensor([1, 0]))
+        held = store.pos >= 0
+        assert torch.equal(store.ranks[held], slot_ranks(store.pos)[held]), t
+    assert evicted > 0
+    assert store.state_bytes() == store.pos.nbytes * 2 + sum(x.nbytes for x in store.state.values())
+
+
 # ---- past the context window: a tiny trained model --------------------------------------------------
 
 CONTEXT, LAG, VOCAB = 96, 8, 32

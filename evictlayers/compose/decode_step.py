@@ -25,6 +25,9 @@ from evictlayers.kernels.dispatch import decode_attention
 from evictlayers.scoring import Observation, SlotView
 
 _OLDEST_LAST = torch.iinfo(torch.long).max
+# up to this many victims a step, rolling ranks are lowered by comparing every slot with each victim
+# ([B, H, N, most] comparisons); beyond it (Scissorhands' drop of half the budget) one sort re-ranks
+INCREMENTAL_RANKS_MOST = 8
 
 
 def along_slots(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -51,6 +54,7 @@ def decode_step(
     sketch: SketchState | None = None,
     coins: CoinTable | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ranks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Insert one token per row, attend, score and evict, writing ``kv``/``pos``/``state`` in place.
 
@@ -71,6 +75,10 @@ def decode_step(
         rotary: ``(cos, sin)`` ``[N >= C, R]`` for ``positions="rolling"`` (keys held un-rotated): keys and
             the query are rotated to their rank among the head's held slots before attention; the
             scorers see the stored keys. ``None``: keys are held rotated at their original position.
+        ranks: with ``rotary``, ``[B, H_kv, C]`` int64 rank of each held slot among its head's held slots
+            in position order (``slot_ranks(pos)``; free slots: any value below ``C``), kept up to date in
+            place: the new token takes the count of the others (it is the newest), and an eviction
+            lowers the rank of every newer slot by one, so no step sorts the slots.
 
     Returns:
         ``([B, H_q, 1, D_v]`` attention output, ``[B]`` new ``seen``).
@@ -90,7 +98,8 @@ def decode_step(
     gain = policy.score_gain(query_pos[:, None], budget)
     attended_query, attended_keys = query, keys
     if rotary is not None:
-        ranks = slot_ranks(pos)
+        others = (pos >= 0).sum(-1) - (new_pos >= 0).long()  # [B, H]: held tokens besides the new one
+        ranks.index_put_((rows, cols, slot), others.clamp(min=0))
         attended_keys = rotate_at(keys, ranks, rotary)
         attended_query = rotate_queries(query, ranks.gather(2, slot[:, :, None]), rotary)
     attention = decode_attention(
@@ -124,7 +133,12 @@ def decode_step(
             )
         if policy.head_state_specs:
             policy.forget(state, keys.gather(2, along_slots(victims, keys)), chosen)
+        if ranks is not None and most <= INCREMENTAL_RANKS_MOST:
+            gone = torch.where(chosen, pos.gather(2, victims), _OLDEST_LAST)  # [B, H, most] evicted positions
+            ranks.sub_((gone[:, :, None, :] < pos[:, :, :, None]).sum(-1))
         pos.scatter_(2, victims, torch.where(chosen, -1, pos.gather(2, victims)))
+        if ranks is not None and most > INCREMENTAL_RANKS_MOST:
+            ranks.copy_(slot_ranks(pos))
     return out[:, :, None], seen
 
 

@@ -61,6 +61,9 @@ class SlotStore:
         self.most = 1  # the largest drop amount of any row, fixed with the budget at the first step
         self.kv = None  # the policy storage's slots (DenseSlots, QuantizedSlots), None until the first step
         self.pos: torch.Tensor | None = None
+        # positions="rolling": each slot's rank among its head's held tokens ([B, H_kv, C] int64),
+        # computed after a multi-token step and kept up to date by the decode step
+        self.ranks: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.seen: torch.Tensor | None = None  # [B] real tokens per row
         self.budget: torch.Tensor | None = None  # [B] tokens per head, None = unbounded
@@ -96,10 +99,12 @@ class SlotStore:
         return 0 if self.kv is None else self.kv.nbytes()
 
     def state_bytes(self) -> int:
-        """Bytes of the bookkeeping beside the keys and values: slot positions and policy state."""
+        """Bytes of the bookkeeping beside the keys and values: slot positions (and ranks, rolling) and
+        policy state."""
         if self.pos is None:
             return 0
-        return self.pos.nbytes + sum(t.nbytes for t in self.state.values())
+        ranks = 0 if self.ranks is None else self.ranks.nbytes
+        return self.pos.nbytes + ranks + sum(t.nbytes for t in self.state.values())
 
     def sketch_stats(self) -> dict[str, int]:
         """What the layer's ClusterSketch holds: ``clusters``, ``samples`` (key samples of the clusters
@@ -219,6 +224,8 @@ class SlotStore:
         else:
             slots = self.kv.append(key, value, new_pos)
         self._keep_best(slots, pos, state, view)
+        if self.policy.positions == "rolling":
+            self.ranks = slot_ranks(self.pos)
         return out
 
     def _decode(self, query, key, value, real, **attention_kwargs) -> torch.Tensor:
@@ -236,7 +243,7 @@ class SlotStore:
             out, self.seen = step(
                 self.policy, self.most, self.kv, self.pos, self.state, self.seen, self.budget,
                 query, key, value, real, **attention_kwargs, sketch=self.sketch, coins=self._step_coins(),
-                rotary=table,
+                rotary=table, ranks=self.ranks,
             )
         except torch._dynamo.exc.TorchDynamoException as error:
             raise CompileError(
@@ -352,6 +359,8 @@ class SlotStore:
     def _grow(self, extra: int) -> None:
         self.kv.grow(extra)
         self.pos = _pad_slots(self.pos, extra, -1)
+        if self.ranks is not None:
+            self.ranks = _pad_slots(self.ranks, extra, 0)
         self.state = self._per_slot(self.state, lambda t: _pad_slots(t, extra, 0.0))
 
     def _keep_best(self, slots, pos, state, view: SlotView) -> None:

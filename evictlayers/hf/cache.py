@@ -87,6 +87,8 @@ class EvictionLayer(CacheLayerMixin):
         index = beam_idx.to(store.pos.device)
         store.kv.index_select_batch(index)
         store.pos = store.pos.index_select(0, index)
+        if store.ranks is not None:
+            store.ranks = store.ranks.index_select(0, index)
         store.state = {name: t.index_select(0, index) for name, t in store.state.items()}
         store.seen = store.seen.index_select(0, index)
         if store.budget is not None:
