@@ -199,17 +199,19 @@ def load_subject(quick: bool) -> Subject:
     return Subject("SmolLM2-135M-Instruct", model, tokenizer)
 
 
-def recipe(name: str, budget: int | float | None = ...):
-    """The shipped recipe ``<name>`` as a Policy, optionally with another budget (everything else equal)."""
+def recipe(name: str, budget: int | float | None = ..., **changes):
+    """The shipped recipe ``<name>`` as a Policy, optionally with another budget and other recipe keys
+    (``positions="rolling"``), everything else equal."""
     from evictlayers import load_recipe
     from evictlayers.compose.recipes import policy_from_dict, policy_to_dict
 
     policy = load_recipe(RECIPES / f"{name}.yaml")
-    if budget is ...:
+    if budget is not ...:
+        changes = {"budget": budget, **changes}
+    if not changes:
         return policy
-    data = policy_to_dict(policy)
-    data["budget"] = budget
-    return policy_from_dict(data, source=f"{name}.yaml with budget={budget}")
+    described = ", ".join(f"{key}={value}" for key, value in changes.items())
+    return policy_from_dict({**policy_to_dict(policy), **changes}, source=f"{name}.yaml with {described}")
 
 
 # ---- time estimate -----------------------------------------------------------------------------

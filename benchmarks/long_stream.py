@@ -199,12 +199,8 @@ def main(argv: list[str] | None = None) -> dict:
     ids = stream_tokens(subject, tokens + 1)
     configs: list[tuple[str, object]] = [] if args.no_hf else [("hf-windows", None)]
     for name in args.recipes:
-        base = recipe(name, budget)
         for positions in ("rolling",) if args.no_absolute else ("rolling", "absolute"):
-            from evictlayers.compose.recipes import policy_from_dict, policy_to_dict
-
-            data = {**policy_to_dict(base), "positions": positions}
-            configs.append((f"el-{name}-{positions}", policy_from_dict(data, source=f"{name} {positions}")))
+            configs.append((f"el-{name}-{positions}", recipe(name, budget, positions=positions)))
     if not args.no_hf:  # last: the longest run
         configs.append(("hf", None))
     block = max(context // 8, 1)

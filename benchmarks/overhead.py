@@ -68,15 +68,13 @@ def filled_layer(slots: int, name: str = "h2o"):
     random prompt (the transformers cache layer around a ``SlotStore``, for its ``reorder_cache`` tiling).
     ``<recipe>-rolling`` is the recipe with ``positions="rolling"`` and a plain RoPE table."""
     from evictlayers.compose.positions import RotaryTable
-    from evictlayers.compose.recipes import policy_from_dict, policy_to_dict
     from evictlayers.hf.cache import EvictionLayer
 
-    policy, rotary = recipe(name.removesuffix("-rolling"), budget=slots - 1), None
     if name.endswith("-rolling"):
-        data = policy_to_dict(policy)
-        data["positions"] = "rolling"
-        policy, rotary = policy_from_dict(data, source=f"{name} with budget={slots - 1}"), RotaryTable(rope_table)
-    layer = EvictionLayer(policy, rotary=rotary)
+        policy = recipe(name.removesuffix("-rolling"), budget=slots - 1, positions="rolling")
+        layer = EvictionLayer(policy, rotary=RotaryTable(rope_table))
+    else:
+        layer = EvictionLayer(recipe(name, budget=slots - 1))
     generator = torch.Generator().manual_seed(slots)
     query = torch.randn(1, Q_HEADS, slots, HEAD_DIM, generator=generator)
     key, value = (torch.randn(1, KV_HEADS, slots, HEAD_DIM, generator=generator) for _ in range(2))

@@ -97,13 +97,10 @@ def main(argv: list[str] | None = None) -> dict:
         parser.error("--steps must be at least --every")
     torch.set_num_threads(args.threads)
     model = tiny_llama()
-    from evictlayers.compose.recipes import policy_from_dict, policy_to_dict
-
     results = []
     for name in args.recipes:
         for positions in ("absolute", "rolling"):
-            data = {**policy_to_dict(recipe(name, args.budget)), "positions": positions}
-            policy = policy_from_dict(data, source=f"{name} {positions}")
+            policy = recipe(name, args.budget, positions=positions)
             config = f"el-{name}-{positions}"
             print(f"[{config}] {args.steps:,} steps ...", flush=True)
             results.append({"config": config, **soak(model, policy, args.steps, args.every, args.budget)})
