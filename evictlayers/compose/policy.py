@@ -395,4 +395,6 @@ class Policy(nn.Module):
             selectable = view.budget - (torch.stack(reserved).sum(0) if reserved else 0)
             rank = self.selectors.rank(state, view, view.valid & ~protected, selectable)
         rank = rank.masked_fill(protected, math.inf)
+        if view.window is not None:  # out of every later query's window: the first to go, protected or not
+            rank = rank.masked_fill(view.stale, -math.inf)
         return rank.masked_fill(~view.valid, -math.inf)

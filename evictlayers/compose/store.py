@@ -13,6 +13,7 @@ import torch
 from evictlayers.compose.decode_step import along_slots, compiled_decode_step, decode_step
 from evictlayers.compose.policy import Policy
 from evictlayers.compose.positions import RotaryTable, rotate_at, rotate_queries, slot_ranks
+from evictlayers.kernels.attention_sinks import apply_attention_sinks
 from evictlayers.kernels.dispatch import prefill_attention
 from evictlayers.modules.cluster_sketch import CoinTable, SketchState, merge_with_exact
 from evictlayers.scoring import Component, Observation, SlotView
@@ -48,12 +49,23 @@ class SlotStore:
 
     def __init__(
         self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False,
-        rotary: RotaryTable | None = None,
+        rotary: RotaryTable | None = None, window: int | None = None,
     ):
         """``rotary``: the model's rotary table, which ``Policy(positions="rolling")`` needs (its keys are
-        held un-rotated and rotated to their rank at every step; ``compose/positions.py``)."""
+        held un-rotated and rotated to their rank at every step; ``compose/positions.py``).
+
+        ``window``: the layer's sliding window, ``None`` for full attention. A query sees itself and the
+        ``window - 1`` tokens before it, so a sliding layer never needs more than ``window - 1`` held tokens:
+        whatever the policy, it holds at most that many (``full`` included, as transformers' own sliding
+        cache does), the policy's budget binds where it is smaller, and a token that slid out of the window
+        is the first to be evicted."""
         if rotary is not None and not isinstance(rotary, RotaryTable):
             raise TypeError(f"SlotStore(rotary={rotary!r}): expected a RotaryTable or None")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
+            raise ValueError(f"SlotStore(window={window!r}) in layer {layer_idx}: expected an int >= 2 or None")
+        self.window = window
+        # which rule bounds the layer: "budget" (the policy's), "window" (the sliding window), None (neither)
+        self.bound: str | None = None
         self.policy = policy
         self.layer_idx, self.num_layers = layer_idx, num_layers
         self.compile = compile
@@ -152,12 +164,15 @@ class SlotStore:
         scaling: float,
         softcap: float | None = None,
         sliding_window: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Insert the step's tokens, attend over the slots, score, evict over-budget slots.
 
         Args:
             query: ``[B, H_q, Q, D]``; key/value: ``[B, H_kv, Q, D]`` for the ``Q`` new tokens.
             real: ``[B, Q]`` bool, ``False`` for padding tokens (never stored); ``None`` = all real.
+            sinks: ``[H_q]`` learned attention-sink logits (``kernels/attention_sinks.py``), or ``None``.
+                The scorers see each key's probability without the sink's share.
 
         Returns:
             ``[B, H_q, Q, D_v]`` attention output (zero for padding queries).
@@ -171,14 +186,28 @@ class SlotStore:
             )
         if real is None:
             real = torch.ones(batch, q_len, dtype=torch.bool, device=key.device)
+        if sliding_window is not None and self.window is not None and sliding_window != self.window:
+            raise ValueError(
+                f"layer {self.layer_idx}: the attention call passed sliding_window={sliding_window}, but the "
+                f"model's cache layer has a window of {self.window} tokens"
+            )
         if self.seen is None:
             self.seen = torch.zeros(batch, dtype=torch.long, device=key.device)
-            self.budget = self.policy.resolve_budget(real.sum(1), self.layer_idx, self.num_layers)
+            # the mask follows the call's sliding_window; the cap, the cache layer's window (transformers
+            # sizes its own sliding cache layers by it even where a model's mask does not slide)
+            self.budget = self._layer_budget(real.sum(1), self.window or sliding_window)
             self._allocate_sketch(key, value, sliding_window)
         elif self.seen.shape[0] != batch:
             raise ValueError(f"this cache holds {self.seen.shape[0]} sequences but the step has batch size {batch}")
+        if sinks is not None and self.sketch is not None:
+            raise ValueError(
+                "a stream-mode ClusterSketch cannot be merged with learned attention sinks (the model passes "
+                "s_aux/sinks): use a policy without the sketch for this model"
+            )
         if q_len == 1 and self.kv is not None:
-            return self._decode(query, key, value, real, scaling=scaling, softcap=softcap, sliding_window=sliding_window)
+            return self._decode(
+                query, key, value, real, scaling=scaling, softcap=softcap, sliding_window=sliding_window, sinks=sinks
+            )
         query_pos = torch.where(real, self.seen[:, None] + real.long().cumsum(1) - 1, -1)
         new_pos = query_pos[:, None, :].expand(batch, kv_heads, q_len)
         first_new = self.capacity  # the step's tokens follow the held slots in the concatenation
@@ -187,7 +216,8 @@ class SlotStore:
         # a later multi-token step (chunked prefill) after tokens were absorbed merges the sketch as a
         # decode step does, with each query's log-sum-exp over the slots it sees
         merge = self.sketch is not None and bool(self.sketch.absorbed.any())
-        lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device) if merge else None
+        wants_lse = merge or sinks is not None
+        lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device) if wants_lse else None
         attended_query, attended_keys = query, keys
         if self.policy.positions == "rolling":
             ranks = slot_ranks(pos)
@@ -203,6 +233,8 @@ class SlotStore:
         out = attention.out
         if merge:
             out = self._merge_sketch(query, out, lse, query_pos, scaling=scaling, softcap=softcap)
+        if sinks is not None:
+            out = apply_attention_sinks(out, lse, sinks)
         n_rows = attention.rows.shape[2]
         observation = Observation(
             mass=attention.mass,
@@ -216,7 +248,7 @@ class SlotStore:
         )
         self.seen = self.seen + real.sum(1)
         self.seq_len += q_len
-        view = SlotView(pos=pos, seen=self.seen, budget=self.budget, keys=keys)
+        view = SlotView(pos=pos, seen=self.seen, budget=self.budget, keys=keys, window=sliding_window)
         self.policy.observe(state, observation, view)
         self.policy.select_centres(state, keys, view)
         if self.kv is None:
@@ -227,6 +259,19 @@ class SlotStore:
         if self.policy.positions == "rolling":
             self.ranks = slot_ranks(self.pos)
         return out
+
+    def _layer_budget(self, prompt_len: torch.Tensor, sliding_window: int | None) -> torch.Tensor | None:
+        """``[B]`` tokens per head: the policy's budget, capped at ``sliding_window - 1`` on a sliding
+        layer (the most any later query can see); records which of the two binds in ``bound``."""
+        budget = self.policy.resolve_budget(prompt_len, self.layer_idx, self.num_layers)
+        self.bound = None if budget is None else "budget"
+        if sliding_window is None:
+            return budget
+        cap = torch.full_like(prompt_len, max(sliding_window - 1, 1))
+        if budget is None or bool((budget > cap).any()):
+            self.bound = "window"
+            budget = cap if budget is None else torch.minimum(budget, cap)
+        return budget
 
     def _decode(self, query, key, value, real, **attention_kwargs) -> torch.Tensor:
         """One token per row into the fixed slot buffers (``decode_step``, compiled when asked)."""
@@ -372,6 +417,8 @@ class SlotStore:
             return
         keep = int(self.budget.max())
         self.most = min(int(self.policy.drop_amount(self.budget).max()), keep + 1)
+        if self.bound == "window":  # one token slides out of the window a step: drop it, not a batch of m
+            self.most = 1
         n_slots = pos.shape[2]
         priority = self.policy.priority(state, view)
         top = min(keep, n_slots)
@@ -395,7 +442,8 @@ class SlotStore:
         self.kv.grow(spare)
         self.state = self._per_slot(state, lambda t: _pad_slots(t.gather(2, along_slots(order, t)), spare, 0.0))
         self.policy.settle(
-            self.state, self.keys, SlotView(pos=self.pos, seen=self.seen, budget=self.budget, keys=self.keys)
+            self.state, self.keys,
+            SlotView(pos=self.pos, seen=self.seen, budget=self.budget, keys=self.keys, window=view.window),
         )
 
 

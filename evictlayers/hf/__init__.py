@@ -1,7 +1,7 @@
-"""The Hugging Face side: attention replacement, the eviction Cache, model-family dispatch."""
+"""The Hugging Face side: attention replacement, the eviction Cache, what a model needs to be served."""
 
 from evictlayers.hf.cache import EvictionCache, EvictionLayer
-from evictlayers.hf.families import ATTENTION_CLASSES, UnsupportedModelError
 from evictlayers.hf.patch import EvictionRun, apply
+from evictlayers.hf.support import ModelSupport, UnsupportedModelError, model_support
 
-__all__ = ["ATTENTION_CLASSES", "EvictionCache", "EvictionLayer", "EvictionRun", "UnsupportedModelError", "apply"]
+__all__ = ["EvictionCache", "EvictionLayer", "EvictionRun", "ModelSupport", "UnsupportedModelError", "apply", "model_support"]

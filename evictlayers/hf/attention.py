@@ -13,7 +13,9 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from evictlayers.compose.positions import rotate_at, rotate_queries
+from evictlayers.hf.support import UnsupportedModelError
 from evictlayers.kernels import prefill_attention
+from evictlayers.kernels.attention_sinks import apply_attention_sinks
 
 ATTENTION_NAME = "evictlayers"
 
@@ -44,12 +46,28 @@ def evicting_attention(
         )
     if dropout and module.training:
         raise ValueError("evictlayers runs inference only: attention dropout is not supported (call model.eval())")
+    _refuse_unserved(module, kwargs)
+    if run.recording:
+        # the rolling probe: each layer's queries and keys are recorded and its output is zero, so what
+        # the next layer receives does not depend on positions and every layer can be checked alone
+        run.record(module.layer_idx, query, key)
+        return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # learned sinks: GPT-OSS's s_aux, others' sinks
     options = {"scaling": scaling, "softcap": softcap, "sliding_window": sliding_window}
     layer = run.staged_layer(module.layer_idx)
     if layer is not None:
-        out = layer.attend(query, run.real_tokens(layer.store.seq_len, query.shape[2]), **options)
+        staged_key, staged_value = layer.staged
+        if key is not staged_key or value is not staged_value:
+            # the slot store attends over the keys the cache received; a model that changes them after
+            # cache.update (repeats them per expert, re-projects them) would be served other keys
+            raise UnsupportedModelError(
+                f"{_class_name(module)} (layer {module.layer_idx}) changes its keys or values between the cache "
+                "update and the attention call (MLA models cache a compressed latent and expand it into keys afterwards), so "
+                "the keys evictlayers holds are not the ones it attends over"
+            )
+        out = layer.attend(query, run.real_tokens(layer.store.seq_len, query.shape[2]), **options, sinks=sinks)
     else:
         # no cache (use_cache=False): plain causal attention, nothing to keep
         real = run.real_tokens(0, query.shape[2])
@@ -58,11 +76,40 @@ def evicting_attention(
         pos = torch.where(real, real.long().cumsum(1) - 1, -1)
         key_pos = pos[:, None, :].expand(-1, key.shape[1], -1)
         if run.rotary is not None:  # rolling positions: nothing is evicted, so each rank is its position
-            table = run.rotary.rows(key.shape[2], key.device, key.dtype)
+            table = run.rotary[module.layer_idx].rows(key.shape[2], key.device, key.dtype)
             ranks = key_pos.clamp(min=0)
             query, key = rotate_queries(query, ranks, table), rotate_at(key, ranks, table)
-        out = prefill_attention(query, key, value, pos, key_pos, **options, need_mass=False).out
+        lse = None if sinks is None else torch.empty(query.shape[:3], dtype=torch.float32, device=query.device)
+        out = prefill_attention(query, key, value, pos, key_pos, **options, need_mass=False, lse_out=lse).out
+        if sinks is not None:
+            out = apply_attention_sinks(out, lse, sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _refuse_unserved(module: torch.nn.Module, kwargs: dict) -> None:
+    """Arguments of this call that would change the result and that evictlayers does not implement
+    (``model_support`` refuses the models whose attention passes them; this catches them per call)."""
+    where = f"{_class_name(module)} (layer {module.layer_idx})"
+    if kwargs.get("is_causal") is False:
+        raise UnsupportedModelError(f"{where}: the attention call is not causal (is_causal=False)")
+    if kwargs.get("output_attentions"):
+        raise UnsupportedModelError(
+            f"{where}: output_attentions=True asks for the attention weights over the whole sequence, which an "
+            "eviction cache does not hold; run without output_attentions"
+        )
+    packed = [name for name in ("cu_seq_lens_q", "cu_seq_lens_k") if kwargs.get(name) is not None]
+    if packed:
+        raise UnsupportedModelError(f"{where}: packed sequences ({', '.join(packed)}) are not supported; pad instead")
+    for name in _REFUSED_KEYWORDS:
+        if kwargs.get(name) is not None:
+            raise UnsupportedModelError(f"{where}: the attention call passes {name}=, which evictlayers does not implement")
+
+
+def _class_name(module: torch.nn.Module) -> str:
+    return getattr(module, "_evictlayers_original_class", type(module)).__name__
+
+
+_REFUSED_KEYWORDS = ("indices", "block_indices", "position_bias")
 
 
 def register() -> None:

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, LinearAttentionLayer
 
 from evictlayers.compose import Policy, SlotStore
 from evictlayers.compose.positions import RotaryTable
+from evictlayers.hf.support import ModelSupport
 
 
 class EvictionLayer(CacheLayerMixin):
@@ -17,16 +18,17 @@ class EvictionLayer(CacheLayerMixin):
     before the attention that needs them.
     """
 
-    is_sliding = False
     is_compileable = False
     is_croppable = False
 
     def __init__(
         self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False,
-        rotary: RotaryTable | None = None,
+        rotary: RotaryTable | None = None, window: int | None = None,
     ):
+        """``window``: the layer's sliding window (``SlotStore``), ``None`` for full attention."""
         super().__init__()
-        self.store = SlotStore(policy, layer_idx, num_layers, compile=compile, rotary=rotary)
+        self.store = SlotStore(policy, layer_idx, num_layers, compile=compile, rotary=rotary, window=window)
+        self.is_sliding = window is not None
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -102,7 +104,8 @@ class EvictionLayer(CacheLayerMixin):
         """Forget everything, the ClusterSketch included: the next step starts a new one."""
         store = self.store
         self.store = SlotStore(
-            store.policy, store.layer_idx, store.num_layers, compile=store.compile, rotary=store.rotary
+            store.policy, store.layer_idx, store.num_layers, compile=store.compile, rotary=store.rotary,
+            window=store.window,
         )
         self.staged = None
 
@@ -113,23 +116,89 @@ class EvictionLayer(CacheLayerMixin):
         )
 
 
-class EvictionCache(Cache):
-    """A ``transformers`` cache whose layers keep only what ``policy`` selects; ``compile=True`` runs each
-    layer's decode step as one ``torch.compile(fullgraph=True)`` graph. ``rotary`` is the model's rotary
-    table, needed by ``Policy(positions="rolling")`` (``run.new_cache()`` passes it)."""
+class EvictionHybridLayer(LinearAttentionLayer, EvictionLayer):
+    """A hybrid cache layer (recurrent state and attention keys in one layer, as transformers'
+    ``LinearAttentionAndFullAttentionLayer``): the recurrent part is transformers' own, carried untouched;
+    the attention part is an ``EvictionLayer``."""
 
-    def __init__(self, policy: Policy, num_layers: int, compile: bool = False, rotary: RotaryTable | None = None):
-        super().__init__(
-            layers=[EvictionLayer(policy, i, num_layers, compile=compile, rotary=rotary) for i in range(num_layers)]
-        )
+    is_compileable = False
+
+    def __init__(
+        self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False,
+        rotary: RotaryTable | None = None, window: int | None = None, number_of_states: int = 1,
+    ):
+        EvictionLayer.__init__(self, policy, layer_idx, num_layers, compile=compile, rotary=rotary, window=window)
+        LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
+
+    def lazy_initialization(self, *args, **kwargs) -> None:
+        # the attention part is initialised by update(key, value), the recurrent part by keyword state updates
+        if len(args) == 2 and not kwargs:
+            EvictionLayer.lazy_initialization(self, *args)
+        else:
+            LinearAttentionLayer.lazy_initialization(self, **kwargs)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        LinearAttentionLayer.reorder_cache(self, beam_idx)
+        EvictionLayer.reorder_cache(self, beam_idx)
+
+    def reset(self) -> None:
+        LinearAttentionLayer.reset(self)
+        EvictionLayer.reset(self)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        EvictionLayer.crop(self, tokens_to_remove)
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class EvictionCache(Cache):
+    """A ``transformers`` cache whose attention layers keep only what ``policy`` selects; ``compile=True``
+    runs each layer's decode step as one ``torch.compile(fullgraph=True)`` graph. ``rotary`` is the model's
+    rotary table, or one per layer index, needed by ``Policy(positions="rolling")`` (``run.new_cache()``
+    passes them).
+
+    ``support`` (what ``model_support`` found in the model; ``run.new_cache()`` passes it) gives each
+    sliding-window layer its window and keeps the model's own cache layer where a layer holds recurrent
+    state (hybrid models) or nothing; without it, every layer is a full-attention eviction layer."""
+
+    def __init__(
+        self, policy: Policy, num_layers: int, compile: bool = False,
+        rotary: RotaryTable | dict[int, RotaryTable] | None = None, support: ModelSupport | None = None,
+    ):
+        if support is not None and support.num_layers != num_layers:
+            raise ValueError(f"EvictionCache: num_layers={num_layers} but the model has {support.num_layers} layers")
+        layers = []
+        for index in range(num_layers):
+            if support is not None and index in support.carried:
+                kind, kwargs = support.carried[index]
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[kind](**kwargs))
+            else:
+                table = rotary.get(index) if isinstance(rotary, dict) else rotary
+                window = support.window(index) if support is not None else None
+                states = support.recurrent_states(index) if support is not None else None
+                if states is None:
+                    layers.append(
+                        EvictionLayer(policy, index, num_layers, compile=compile, rotary=table, window=window)
+                    )
+                else:
+                    layers.append(EvictionHybridLayer(
+                        policy, index, num_layers, compile=compile, rotary=table, window=window,
+                        number_of_states=states,
+                    ))
+        super().__init__(layers=layers)
         self.policy = policy
 
     def stats(self) -> dict:
-        """``{'kv_bytes', 'state_bytes', 'sketch_bytes', 'layers': [{'retained_tokens', 'seen_tokens',
-        'kv_bytes', 'state_bytes', 'sketch_clusters', 'sketch_samples', 'sketch_absorbed',
+        """``{'kv_bytes', 'state_bytes', 'sketch_bytes', 'layers': [{'kind', 'bound', 'retained_tokens',
+        'seen_tokens', 'kv_bytes', 'state_bytes', 'sketch_clusters', 'sketch_samples', 'sketch_absorbed',
         'sketch_bytes'}, ...]}``.
 
-        ``retained_tokens`` is the most any head of the layer keeps, ``seen_tokens`` the most real
+        ``kind`` is ``"attention"``, ``"sliding"`` (a sliding-window attention layer) or ``"carried"`` (a
+        recurrent or attention-free layer of a hybrid model, whose own cache layer is kept untouched: its
+        counts are 0). ``bound`` says which rule bounds the layer: ``"budget"`` (the policy's),
+        ``"window"`` (its sliding window, where smaller than the budget) or ``None`` (neither: the cache
+        grows). ``retained_tokens`` is the most any head of the layer keeps, ``seen_tokens`` the most real
         tokens any row has fed, ``kv_bytes`` the bytes the layer's key/value slots occupy and
         ``state_bytes`` those of its bookkeeping (slot positions and the policy's per-slot state).
         With a stream-mode ``ClusterSketch``: ``sketch_clusters``, ``sketch_samples`` (key samples of
@@ -139,11 +208,16 @@ class EvictionCache(Cache):
         """
         layers = []
         for layer in self.layers:
+            if not isinstance(layer, EvictionLayer):
+                layers.append({"kind": "carried", "bound": None, **dict.fromkeys(_COUNTS, 0)})
+                continue
             store = layer.store
             started = store.kv is not None
             sketch = store.sketch_stats()
             layers.append(
                 {
+                    "kind": "sliding" if store.window is not None else "attention",
+                    "bound": store.bound if started else None,
                     "retained_tokens": int(store.retained().max()) if started else 0,
                     "seen_tokens": int(store.seen.max()) if started else 0,
                     "kv_bytes": store.kv_bytes(),
@@ -160,3 +234,9 @@ class EvictionCache(Cache):
             "sketch_bytes": sum(entry["sketch_bytes"] for entry in layers),
             "layers": layers,
         }
+
+
+_COUNTS = (
+    "retained_tokens", "seen_tokens", "kv_bytes", "state_bytes", "sketch_clusters", "sketch_samples",
+    "sketch_absorbed", "sketch_bytes",
+)

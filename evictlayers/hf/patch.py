@@ -16,10 +16,11 @@ from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
 from evictlayers.compose import Policy
+from evictlayers.compose.positions import RotaryTable
 from evictlayers.hf import attention
 from evictlayers.hf.cache import EvictionCache, EvictionLayer
-from evictlayers.hf.families import attention_modules
-from evictlayers.hf.rotary import model_rotary_table
+from evictlayers.hf.rotary import model_rotary_tables
+from evictlayers.hf.support import model_support
 
 _EVICTING_CLASSES: dict[type, type] = {}
 
@@ -45,15 +46,23 @@ class EvictionRun:
                 "`with` block (or call run.remove()) before applying another policy"
             )
         self.model, self.policy, self.compile = model, policy, compile
-        self._attention = attention_modules(model)
-        self.num_layers = len(self._attention)
-        # rolling positions: keys arrive un-rotated (every token at position 0) and the stores rotate them
-        self.rotary = model_rotary_table(model, self._attention) if policy.positions == "rolling" else None
+        self.support = model_support(model)
+        self._attention = [layer.module for layer in self.support.attention]
+        self.num_layers = self.support.num_layers
+        self.rotary: dict[int, RotaryTable] | None = None
         self.cache: EvictionCache | None = None
         self._padding: torch.Tensor | None = None
         self._configs: list[tuple[object, str]] = []
         self._hooks = []
+        self._captured: dict | None = None  # set while the rolling probe records what each layer attends with
         self._patch()
+        if policy.positions == "rolling":
+            # keys arrive un-rotated (every token at position 0) and the stores rotate them by these tables
+            try:
+                self.rotary = model_rotary_tables(model, self.support, self._capture)
+            except BaseException:
+                self.remove()
+                raise
 
     # ---- patching ------------------------------------------------------------------------------
 
@@ -92,11 +101,35 @@ class EvictionRun:
     def __exit__(self, *exc) -> None:
         self.remove()
 
+    def _capture(self, position_ids: torch.Tensor) -> dict:
+        """``{layer_idx: (query, key)}`` each attention layer received for a probe sequence at
+        ``position_ids`` ``[1, T]``, run without a cache (nothing is stored)."""
+        vocab = self.model.config.get_text_config(decoder=True).vocab_size
+        tokens = (torch.arange(position_ids.shape[1], device=position_ids.device) * 7 + 3) % vocab
+        self._captured = {}
+        try:
+            with torch.no_grad():
+                self.model(input_ids=tokens[None], position_ids=position_ids, use_cache=False)
+            return self._captured
+        finally:
+            self._captured = None
+
+    @property
+    def recording(self) -> bool:
+        """Whether the rolling probe is running (the attention function then records and returns zeros)."""
+        return self._captured is not None
+
+    def record(self, layer_idx: int, query: torch.Tensor, key: torch.Tensor) -> None:
+        """Keep what a layer attends with while the probe runs."""
+        self._captured[layer_idx] = (query.detach(), key.detach())
+
     # ---- per forward ---------------------------------------------------------------------------
 
     def new_cache(self) -> EvictionCache:
         """An empty cache for this model and policy (pass it as ``past_key_values``)."""
-        return EvictionCache(self.policy, self.num_layers, compile=self.compile, rotary=self.rotary)
+        return EvictionCache(
+            self.policy, self.num_layers, compile=self.compile, rotary=self.rotary, support=self.support
+        )
 
     def _hook(self, signature: inspect.Signature):
         names = list(signature.parameters)
@@ -113,6 +146,10 @@ class EvictionRun:
             mask, cache, use_cache = (arguments.get(n) for n in ("attention_mask", "past_key_values", "use_cache"))
             if use_cache is None:
                 use_cache = getattr(module.config, "use_cache", True)
+            if isinstance(mask, dict):
+                # an inner model called with the outer model's prepared masks (one per layer type, as
+                # multimodal wrappers do): the outer call already handed over the padding and the cache
+                return args, kwargs
             if mask is not None and mask.dim() != 2:
                 raise ValueError(
                     f"evictlayers needs a 2-D padding attention_mask [batch, tokens]; got shape {tuple(mask.shape)}"
@@ -145,7 +182,12 @@ class EvictionRun:
         if self.cache is None:
             return None
         layer = self.cache.layers[layer_idx]
-        return layer if layer.staged is not None else None
+        if layer.staged is None:
+            raise RuntimeError(
+                f"evictlayers: layer {layer_idx} attended without staging new keys in the cache first (the model "
+                "called the attention function without cache.update, or twice for one update)"
+            )
+        return layer
 
     def real_tokens(self, start: int, count: int) -> torch.Tensor | None:
         """``[B, count]`` bool: which of the step's tokens are real (not padding), from the 2-D mask."""

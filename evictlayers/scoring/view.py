@@ -17,17 +17,29 @@ class SlotView:
         budget: ``[B]`` int64 slots this layer may keep per head, or ``None`` for an unbounded cache.
         keys: ``[B, H_kv, N, D]`` the slots' keys (post-RoPE, dequantised), for scores computed from key
             geometry (``KeyDiff``, ``KeyNorm``); ``None`` where the caller has none to give.
+        window: the layer's sliding window (a query sees itself and the ``window - 1`` tokens before it),
+            ``None`` for a full-attention layer.
     """
 
     pos: torch.Tensor
     seen: torch.Tensor
     budget: torch.Tensor | None
     keys: torch.Tensor | None = None
+    window: int | None = None
 
     @property
     def valid(self) -> torch.Tensor:
         """``[B, H_kv, N]`` bool: the slot holds a token."""
         return self.pos >= 0
+
+    @property
+    def stale(self) -> torch.Tensor | None:
+        """``[B, H_kv, N]`` bool: the slot holds a token that slid out of the window of every later query
+        (the next query, at position ``seen``, sees positions above ``seen - window``); ``None`` without a
+        window."""
+        if self.window is None:
+            return None
+        return self.valid & (self.seen[:, None, None] - self.pos >= self.window)
 
     @property
     def age(self) -> torch.Tensor:

@@ -1,0 +1,266 @@
+"""Whether evictlayers can serve a model's attention, decided from the model itself.
+
+No list of model types: a model is served when it is decoder-only, keeps a per-token key/value cache
+that transformers builds from its config (``DynamicCache(config=...)``), and every attention layer of
+that cache is computed by one module that calls transformers' attention interface with a
+``layer_idx``. Whatever that call passes which changes the result is honoured (scaling, soft-capping,
+sliding windows, learned attention sinks, key and value head dims that differ) or the model is refused here, at ``apply`` time,
+naming the model type, the layer and the reason: never silent full attention.
+
+Recurrent and linear-attention layers of hybrid models (Mamba, gated delta nets, short convolutions)
+keep their state in the model's own cache layer objects, which the eviction cache carries untouched.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from dataclasses import dataclass
+
+from torch import nn
+
+from transformers.cache_utils import get_layer_types_and_kwargs
+
+
+class UnsupportedModelError(TypeError):
+    """The model's attention cannot be served by evictlayers; the message names the model, layer and reason."""
+
+
+# cache layer types (transformers' ``layer_types``) and what evictlayers does with each
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "hybrid", "hybrid_sliding"}
+HYBRID_LAYER_TYPES = {"hybrid", "hybrid_sliding"}  # recurrent state and attention keys in one layer
+CARRIED_LAYER_TYPES = {"conv", "linear_attention"}  # recurrent state only: carried untouched
+EMPTY_LAYER_TYPES = {"dummy"}  # layers without attention (MoE/MLP-only blocks)
+
+# keywords of the attention-interface call that evictlayers honours (or that cannot change the result:
+# the mask is rebuilt from slot positions, positions are already in the rotated keys)
+HONOURED_KEYWORDS = {
+    "scaling", "dropout", "sliding_window", "softcap", "attention_mask", "position_ids", "is_causal",
+    "output_attentions", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+    "s_aux", "sinks",  # learned attention sinks: kernels/attention_sinks.py
+}
+# what the others mean, for the refusal message
+_KEYWORD_MEANING = {
+    "indices": "sparse attention over indexer-selected keys",
+    "block_indices": "block-sparse attention",
+    "position_bias": "an additive position bias on the logits",
+}
+
+
+@dataclass(frozen=True)
+class AttentionLayer:
+    """One attention layer evictlayers serves: its module and the window its cache may hold.
+
+    Attributes:
+        index: the layer's index in the model's cache (``module.layer_idx``).
+        module: the attention module whose attention call evictlayers receives.
+        window: the sliding window of a sliding-window layer (a query sees itself and the ``window - 1``
+            tokens before it), ``None`` for a full-attention layer.
+        recurrent_states: for a hybrid layer (recurrent state and attention keys in one cache layer), how
+            many recurrent states it carries; ``None`` for a pure attention layer.
+    """
+
+    index: int
+    module: nn.Module
+    window: int | None
+    recurrent_states: int | None = None
+
+
+@dataclass(frozen=True)
+class ModelSupport:
+    """How evictlayers serves one model.
+
+    Attributes:
+        layer_types: transformers' cache layer type per layer (``full_attention``, ``sliding_attention``,
+            ``linear_attention``, ``conv``, ``dummy``).
+        attention: the attention layers, ordered by index.
+        carried: ``{index: (layer_type, kwargs)}`` for the layers whose cache is the model's own
+            (recurrent state carried untouched, or no state at all).
+    """
+
+    model_type: str
+    layer_types: tuple[str, ...]
+    attention: tuple[AttentionLayer, ...]
+    carried: dict[int, tuple[str, dict]]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layer_types)
+
+    def window(self, layer_idx: int) -> int | None:
+        return next((layer.window for layer in self.attention if layer.index == layer_idx), None)
+
+    def recurrent_states(self, layer_idx: int) -> int | None:
+        return next((layer.recurrent_states for layer in self.attention if layer.index == layer_idx), None)
+
+    def features(self) -> list[str]:
+        """What makes this architecture's attention differ from plain causal attention, for reports."""
+        found = []
+        if any(layer.window is not None for layer in self.attention):
+            found.append("sliding window")
+        if self.carried and any(kind in CARRIED_LAYER_TYPES for kind, _ in self.carried.values()):
+            found.append("hybrid (recurrent state carried)")
+        return found
+
+
+def _where(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    return f"{type(model).__name__} (model_type={getattr(config, 'model_type', None)!r})"
+
+
+def model_support(model: nn.Module) -> ModelSupport:
+    """What evictlayers serves in ``model``; refuses what it cannot serve exactly.
+
+    Raises:
+        UnsupportedModelError: the model is not a decoder-only transformers model with a per-token KV cache
+            whose attention layers call the attention interface, or its attention call passes something
+            that changes the result and that evictlayers does not implement. The message names the model
+            type, the layer and the reason.
+    """
+    where = _where(model)
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "get_text_config"):
+        raise UnsupportedModelError(f"{where} is not a transformers model (it has no config)")
+    if getattr(config, "is_encoder_decoder", False) or getattr(config, "add_cross_attention", False):
+        raise UnsupportedModelError(
+            f"{where} is an encoder-decoder model (its decoder cross-attends to an encoder); evictlayers serves "
+            "decoder-only self-attention"
+        )
+    supports_cache = getattr(type(model), "_supports_default_dynamic_cache", None)
+    if supports_cache is not None and not supports_cache():
+        raise UnsupportedModelError(
+            f"{where} keeps its generation state in a cache class of its own, not in transformers' per-token "
+            "key/value cache that evictlayers replaces"
+        )
+    holders = sorted({type(m).__name__ for m in model.modules() if callable(getattr(m, "_setup_cache", None))})
+    if holders:
+        raise UnsupportedModelError(
+            f"{where} keeps recurrent state in its modules ({', '.join(holders)}), set up when no cache is passed; "
+            "evictlayers replaces the cache and would skip that set-up"
+        )
+    text_config = config.get_text_config(decoder=True)
+    if getattr(text_config, "kv_sharing_modes", None) is not None or getattr(text_config, "num_kv_shared_layers", 0):
+        raise UnsupportedModelError(
+            f"{where}: some layers reuse another layer's key/value cache (KV sharing); evicting one layer's tokens "
+            "would change what the sharing layers see, which evictlayers does not model"
+        )
+    layer_types, layer_kwargs = _layer_types(text_config, where)
+    indexed = _indexed_modules(model)
+    candidates = {
+        index: [m for m in modules if _calls_interface(getattr(m, "_evictlayers_original_class", type(m)))]
+        for index, modules in indexed.items()
+    }
+    candidates = {index: modules for index, modules in candidates.items() if modules}
+    attention, carried = [], {}
+    for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
+        modules = candidates.get(index, [])
+        if kind in ATTENTION_LAYER_TYPES:
+            if len(modules) != 1:
+                named = sorted({type(m).__name__ for m in modules})
+                others = sorted({type(m).__name__ for m in indexed.get(index, []) if m not in modules})
+                raise UnsupportedModelError(
+                    f"{where}, layer {index} ({kind}): expected one attention module with layer_idx={index} that "
+                    f"calls transformers' attention interface, found {len(modules)} ({', '.join(named) or 'none'}"
+                    f"{'; other modules of the layer: ' + ', '.join(others) if others else ''}); attention computed "
+                    "outside the interface cannot be served"
+                )
+            module = modules[0]
+            _check_call(module, where, index)
+            window = kwargs.get("sliding_window") if kind in ("sliding_attention", "hybrid_sliding") else None
+            states = kwargs.get("number_of_states", 1) if kind in HYBRID_LAYER_TYPES else None
+            attention.append(AttentionLayer(index, module, window, states))
+        elif kind in CARRIED_LAYER_TYPES or kind in EMPTY_LAYER_TYPES:
+            if modules:
+                raise UnsupportedModelError(
+                    f"{where}, layer {index}: the cache layer type is {kind!r} but "
+                    f"{type(modules[0]).__name__} calls the attention interface there"
+                )
+            carried[index] = (kind, kwargs)
+        else:
+            reason = {
+                "chunked_attention": "chunked attention (each query sees only its own chunk of attention_chunk_size "
+                "tokens), which evictlayers' masks do not implement",
+            }.get(kind, "a cache layer type evictlayers cannot hold")
+            raise UnsupportedModelError(f"{where}, layer {index}: cache layer type {kind!r}: {reason}")
+    stray = sorted(set(candidates) - set(range(len(layer_types))))
+    if stray:
+        raise UnsupportedModelError(
+            f"{where}: attention modules with layer_idx {stray} fall outside the model's {len(layer_types)} cache layers"
+        )
+    if not attention:
+        raise UnsupportedModelError(f"{where} has no attention layer to evict from")
+    return ModelSupport(getattr(config, "model_type", "?"), tuple(layer_types), tuple(attention), carried)
+
+
+def _layer_types(text_config, where: str) -> tuple[list[str], list[dict]]:
+    layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    for kind, kwargs in zip(layer_types, layer_kwargs):
+        if kind == "sliding_attention" and not isinstance(kwargs.get("sliding_window"), int):
+            raise UnsupportedModelError(
+                f"{where}: a sliding-window layer has sliding_window={kwargs.get('sliding_window')!r}, not a token count"
+            )
+    return list(layer_types), list(layer_kwargs)
+
+
+def _forward_source(cls: type) -> str | None:
+    """The source of the ``forward`` that ``cls`` runs, or ``None`` where it cannot be read."""
+    for owner in cls.__mro__:
+        if "forward" in vars(owner):
+            try:
+                return textwrap.dedent(inspect.getsource(vars(owner)["forward"]))
+            except (OSError, TypeError):
+                return None
+    return None
+
+
+def _calls_interface(cls: type) -> bool:
+    source = _forward_source(cls)
+    return source is not None and "ALL_ATTENTION_FUNCTIONS" in source
+
+
+def _indexed_modules(model: nn.Module) -> dict[int, list[nn.Module]]:
+    """``{layer_idx: modules}`` of the modules that carry an int ``layer_idx``."""
+    found: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        index = getattr(module, "layer_idx", None)
+        if isinstance(index, int) and not isinstance(index, bool):
+            found.setdefault(index, []).append(module)
+    return found
+
+
+def _check_call(module: nn.Module, where: str, index: int) -> None:
+    """Refuse cross-attention, non-causal attention, and an attention call that passes a keyword
+    evictlayers does not honour."""
+    name = getattr(module, "_evictlayers_original_class", type(module)).__name__
+    if "CrossAttention" in name or getattr(module, "is_cross_attention", False):
+        raise UnsupportedModelError(
+            f"{where}, layer {index}: {name} is a cross-attention layer (its keys come from another input, not "
+            "from the tokens generated); evictlayers serves self-attention"
+        )
+    if getattr(module, "is_causal", True) is False:
+        raise UnsupportedModelError(
+            f"{where}, layer {index}: {type(module).__name__} attends bidirectionally (is_causal=False); "
+            "evictlayers serves causal attention"
+        )
+    cls = getattr(module, "_evictlayers_original_class", type(module))
+    source = _forward_source(cls)
+    tree = ast.parse(source) if source else None
+    calls = [
+        node for node in (ast.walk(tree) if tree is not None else ())
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "attention_interface"
+    ]
+    if len(calls) > 1:
+        raise UnsupportedModelError(
+            f"{where}, layer {index}: {cls.__name__} calls the attention function {len(calls)} times per forward "
+            "(e.g. differential attention), over one cache update; evictlayers serves one attention per layer"
+        )
+    for node in calls:
+        for keyword in node.keywords:
+            if keyword.arg is None or keyword.arg in HONOURED_KEYWORDS:
+                continue
+            meaning = _KEYWORD_MEANING.get(keyword.arg, "an argument evictlayers' attention does not implement")
+            raise UnsupportedModelError(
+                f"{where}, layer {index}: {cls.__name__} passes {keyword.arg}= to the attention function: "
+                f"{meaning}; evictlayers refuses rather than silently ignore it"
+            )

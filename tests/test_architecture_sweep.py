@@ -1,0 +1,75 @@
+"""The conformance sweep: every causal-LM architecture transformers ships either works under
+``evictlayers.apply`` (the unmodified model's logits and tokens with nothing evicted; an H2O budget
+held per layer) or is refused with ``UnsupportedModelError``; a different result fails. The outcome of
+each type must also be the one ``docs/models.md`` reports (regenerate it with
+``python scripts/models_doc.py``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import transformers
+
+import evictlayers as el
+from architecture_sweep import SLOW_TYPES, causal_lm_types, conformance, documented_outcomes
+from tiny_models import single_thread  # noqa: F401
+
+MIN_WORKING = 90
+
+TYPES = [pytest.param(t, marks=pytest.mark.slow) if t in SLOW_TYPES else t for t in causal_lm_types()]
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    verbosity = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+    transformers.logging.set_verbosity(verbosity)
+
+
+@pytest.mark.parametrize("model_type", TYPES)
+def test_architecture_works_or_is_refused(model_type):
+    outcome = conformance(model_type, el)
+    version, documented = documented_outcomes()
+    if version == transformers.__version__:
+        assert documented.get(model_type) == (outcome.status, outcome.rolling), (
+            f"{model_type}: the sweep finds {outcome.status!r}, rolling {outcome.rolling!r} ({outcome.reason}) but "
+            f"docs/models.md says {documented.get(model_type)!r}; regenerate it with `python scripts/models_doc.py`"
+        )
+    if outcome.status == "skipped":
+        pytest.skip(f"transformers cannot build or run the shrunk {model_type}: {outcome.reason}")
+    if outcome.status == "refused":
+        assert outcome.reason, model_type
+
+
+def test_documented_sweep_covers_every_type_and_enough_work():
+    version, documented = documented_outcomes()
+    assert version is not None, "docs/models.md does not name the transformers version it was generated on"
+    if version == transformers.__version__:
+        assert sorted(documented) == causal_lm_types()
+    assert sum(status == "works" for status, _ in documented.values()) >= MIN_WORKING
+
+
+REFUSALS = {
+    "inkling_text": ["model_type='inkling_text'", "layer 0", "position_bias=", "additive position bias"],
+    "llama4_text": ["model_type='llama4_text'", "layer 0", "chunked attention"],
+    "rwkv": ["model_type='rwkv'", "cache class of its own"],
+    "prophetnet": ["model_type='prophetnet'", "encoder-decoder"],
+    "mllama": ["layer 3", "MllamaTextCrossAttention", "cross-attention"],
+    "diffllama": ["layer 0", "2 times"],
+    "falcon_mamba": ["model_type='falcon_mamba'", "no attention layer"],
+    "deepseek_v3": ["DeepseekV3Attention (layer 0)", "latent"],
+    "bloom": ["model_type='bloom'", "layer 0", "BloomAttention", "attention interface"],
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(REFUSALS))
+def test_a_refusal_names_the_model_the_layer_and_the_reason(model_type):
+    outcome = conformance(model_type, el)
+    assert outcome.status == "refused", outcome
+    for part in REFUSALS[model_type]:
+        assert part in outcome.reason, (part, outcome.reason)
