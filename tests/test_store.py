@@ -126,3 +126,23 @@ def test_long_prefill_stays_in_bounded_memory():
     full_matrix_mb = 3 * 16384 * 16384 * 4 / 2**20  # 3 query heads, float32: 3 GiB
     assert report["retained"] == 1638
     assert report["grew_mb"] < 400 < full_matrix_mb
+
+
+def test_values_narrower_than_keys_attend_as_plain_softmax_and_evict():
+    """Key and value head dims may differ (MLA-style 16 vs 12): with nothing evicted the output is plain
+    causal softmax attention; under a budget the value slots shrink with the key slots."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = torch.randn(2, 4, 10, 16, generator=g), torch.randn(2, 2, 10, 16, generator=g), torch.randn(2, 2, 10, 12, generator=g)
+    full = el.SlotStore(el.Policy(budget=None))
+    out = full.step(q, k, v, scaling=0.25)
+    logits = q @ k.repeat_interleave(2, 1).transpose(-1, -2) * 0.25
+    causal = torch.ones(10, 10, dtype=torch.bool).triu(1)
+    reference = torch.softmax(logits.masked_fill(causal, float("-inf")), -1) @ v.repeat_interleave(2, 1)
+    torch.testing.assert_close(out, reference, rtol=1e-5, atol=1e-6)
+    store = el.SlotStore(el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=4))
+    store.step(q[:, :, :6], k[:, :, :6], v[:, :, :6], scaling=0.25)
+    for i in range(6, 10):
+        step = store.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], scaling=0.25)
+        assert step.shape == (2, 4, 1, 12)
+    assert store.values.shape == (2, 2, 5, 12) and store.keys.shape == (2, 2, 5, 16)
+    assert int(store.retained().max()) == 4

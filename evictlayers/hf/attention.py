@@ -46,7 +46,7 @@ def evicting_attention(
         )
     if dropout and module.training:
         raise ValueError("evictlayers runs inference only: attention dropout is not supported (call model.eval())")
-    _refuse_unserved(module, kwargs)
+    _refuse_unserved(module, kwargs, run.support.model_type)
     if run.recording:
         # the rolling probe: each layer's queries and keys are recorded and its output is zero, so what
         # the next layer receives does not depend on positions and every layer can be checked alone
@@ -63,9 +63,10 @@ def evicting_attention(
             # the slot store attends over the keys the cache received; a model that changes them after
             # cache.update (repeats them per expert, re-projects them) would be served other keys
             raise UnsupportedModelError(
-                f"{_class_name(module)} (layer {module.layer_idx}) changes its keys or values between the cache "
-                "update and the attention call (MLA models cache a compressed latent and expand it into keys afterwards), so "
-                "the keys evictlayers holds are not the ones it attends over"
+                f"model_type={run.support.model_type!r}, {_class_name(module)} (layer {module.layer_idx}) changes its "
+                "keys or values between the cache update and the attention call (MLA models cache a compressed "
+                "latent and expand it into keys afterwards), so the keys evictlayers holds are not the ones it "
+                "attends over"
             )
         out = layer.attend(query, run.real_tokens(layer.store.seq_len, query.shape[2]), **options, sinks=sinks)
     else:
@@ -86,10 +87,10 @@ def evicting_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _refuse_unserved(module: torch.nn.Module, kwargs: dict) -> None:
+def _refuse_unserved(module: torch.nn.Module, kwargs: dict, model_type: str) -> None:
     """Arguments of this call that would change the result and that evictlayers does not implement
     (``model_support`` refuses the models whose attention passes them; this catches them per call)."""
-    where = f"{_class_name(module)} (layer {module.layer_idx})"
+    where = f"model_type={model_type!r}, {_class_name(module)} (layer {module.layer_idx})"
     if kwargs.get("is_causal") is False:
         raise UnsupportedModelError(f"{where}: the attention call is not causal (is_causal=False)")
     if kwargs.get("output_attentions"):

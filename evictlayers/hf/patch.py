@@ -17,7 +17,7 @@ from transformers.cache_utils import Cache
 
 from evictlayers.compose import Policy
 from evictlayers.compose.positions import RotaryTable
-from evictlayers.hf import attention
+from evictlayers.hf import attention, versions
 from evictlayers.hf.cache import EvictionCache, EvictionLayer
 from evictlayers.hf.rotary import model_rotary_tables
 from evictlayers.hf.support import model_support
@@ -36,6 +36,7 @@ class EvictionRun:
     """The patched state of one model; ``with apply(model, policy) as run`` yields it."""
 
     def __init__(self, model: nn.Module, policy: Policy, compile: bool = False):
+        versions.check_transformers_version()
         if not isinstance(policy, Policy):
             raise TypeError(f"evictlayers.apply expects a Policy, got {type(policy).__name__}")
         if not isinstance(compile, bool):

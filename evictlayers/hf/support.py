@@ -94,15 +94,6 @@ class ModelSupport:
     def recurrent_states(self, layer_idx: int) -> int | None:
         return next((layer.recurrent_states for layer in self.attention if layer.index == layer_idx), None)
 
-    def features(self) -> list[str]:
-        """What makes this architecture's attention differ from plain causal attention, for reports."""
-        found = []
-        if any(layer.window is not None for layer in self.attention):
-            found.append("sliding window")
-        if self.carried and any(kind in CARRIED_LAYER_TYPES for kind, _ in self.carried.values()):
-            found.append("hybrid (recurrent state carried)")
-        return found
-
 
 def _where(model: nn.Module) -> str:
     config = getattr(model, "config", None)
