@@ -25,7 +25,7 @@ install_second_model() {
 
 # the lowest transformers evictlayers is tested on (evictlayers/hf/versions.py TESTED_LOWEST, pyproject's
 # lower bound); the main install keeps the highest
-COMPAT_TRANSFORMERS="5.21.0"
+COMPAT_TRANSFORMERS="5.14.1"
 
 compat() {
     # a venv beside the main install: it sees torch and the test dependencies installed above, and has its

@@ -202,3 +202,16 @@ def test_unsupported_model_raises_naming_the_attention_class(make):
     assert model.config._attn_implementation == implementation
     assert not hasattr(model, "_evictlayers_run")
     torch.testing.assert_close(_forward(model, ids, mask), reference, rtol=0, atol=0)
+
+
+def test_soft_capped_logits_under_sdpa_are_refused():
+    """transformers' sdpa attention does not soft-cap (5.14-5.20 offer it for Gemma2 and drop the cap;
+    later releases raise): the unmodified model is not defined there, so evictlayers refuses."""
+    model = build("gemma2", "eager")
+    for config in {id(c): c for c in [model.config, *(m.config for m in _attention_modules(model))]}.values():
+        config._attn_implementation_internal = "sdpa"  # as a release that offers sdpa for Gemma2 sets it
+    ids, mask = left_padded(LENGTHS)
+    with pytest.raises(el.UnsupportedModelError, match="model_type='gemma2'.*layer 0.*soft-caps.*attn_implementation='eager'"):
+        with el.apply(model, el.Policy(budget=None)):
+            _forward(model, ids, mask)
+    assert not hasattr(model, "_evictlayers_run")

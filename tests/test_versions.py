@@ -35,20 +35,20 @@ def _quietly() -> None:
         check_transformers_version()
 
 
-@pytest.mark.parametrize("version", ["5.21.0", "5.21.1", "5.22.2", "5.23.0", "5.23.9", "5.23.0.dev0", "5.21.0rc1"])
+@pytest.mark.parametrize("version", ["5.14.1", "5.19.0", "5.21.1", "5.22.2", "5.23.0", "5.23.9", "5.23.0.dev0", "5.14.0rc1"])
 def test_tested_versions_pass_silently(installed, version):
     installed(version)
     _quietly()
 
 
-@pytest.mark.parametrize("version", ["5.20.2", "5.14.1", "5.0.0", "4.57.6", "5.19.0.dev0"])
+@pytest.mark.parametrize("version", ["5.13.1", "5.12.1", "5.0.0", "4.57.6", "5.13.0.dev0"])
 def test_older_versions_are_refused_naming_installed_and_tested(installed, version):
     installed(version)
     with pytest.raises(UnsupportedTransformersError) as raised:
         check_transformers_version()
     message = str(raised.value)
     assert f"transformers {version} is installed" in message
-    assert "5.21 to 5.23" in message and ">= 5.21" in message
+    assert "5.14 to 5.23" in message and ">= 5.14" in message
     assert not versions._warned
 
 
@@ -59,7 +59,7 @@ def test_newer_versions_warn_once(installed, version):
         check_transformers_version()
     assert len(caught) == 1
     message = str(caught[0].message)
-    assert f"transformers {version} is installed" in message and "tested on transformers 5.21 to 5.23" in message
+    assert f"transformers {version} is installed" in message and "tested on transformers 5.14 to 5.23" in message
     with warnings.catch_warnings(record=True) as again:
         warnings.simplefilter("always")  # Python's own once-per-location filter cannot hide a second warning
         check_transformers_version()
@@ -79,7 +79,7 @@ def test_warns_once_per_process_even_across_newer_versions(installed):
 
 
 def test_version_is_read_at_each_call_and_an_explicit_version_wins(installed):
-    installed("5.20.0")
+    installed("5.13.0")
     with pytest.raises(UnsupportedTransformersError):
         check_transformers_version()
     installed("5.22.0")
@@ -118,14 +118,14 @@ def test_apply_warns_once_above_the_range_and_refuses_below_before_touching_the_
 
     model = build("llama")
     installed("5.99.0")
-    with pytest.warns(UserWarning, match="tested on transformers 5.21 to 5.23"):
+    with pytest.warns(UserWarning, match="tested on transformers 5.14 to 5.23"):
         with el.apply(model, el.Policy(budget=None)):
             pass
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with el.apply(model, el.Policy(budget=None)):
             pass
-    installed("5.20.2")
-    with pytest.raises(UnsupportedTransformersError, match="transformers 5.20.2 is installed"):
+    installed("5.13.1")
+    with pytest.raises(UnsupportedTransformersError, match="transformers 5.13.1 is installed"):
         el.apply(model, el.Policy(budget=None))
     assert not hasattr(model, "_evictlayers_run")

@@ -44,8 +44,11 @@ class Family:
 
     @property
     def implementations(self) -> tuple[str, ...]:
-        """The attention implementations transformers offers for this family on CPU."""
-        return ("eager", "sdpa") if getattr(self.model_class, "_supports_sdpa", False) else ("eager",)
+        """The attention implementations transformers offers for this family on CPU. Not sdpa with
+        soft-capped logits: transformers' sdpa does not apply soft-capping (releases before 5.21 offer it
+        for Gemma2 and ignore the cap), so evictlayers refuses that pairing."""
+        sdpa = getattr(self.model_class, "_supports_sdpa", False) and not getattr(self.config(), "attn_logit_softcapping", None)
+        return ("eager", "sdpa") if sdpa else ("eager",)
 
 
 def _llama_like(config_class, **extra) -> PretrainedConfig:

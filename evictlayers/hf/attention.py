@@ -54,6 +54,12 @@ def evicting_attention(
         return query.new_zeros(query.shape[0], query.shape[2], query.shape[1], value.shape[-1]), None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if softcap is not None and run.replaced_implementation == "sdpa":
+        raise UnsupportedModelError(
+            f"model_type={run.support.model_type!r}, {_class_name(module)} (layer {module.layer_idx}) soft-caps its "
+            "attention logits, which transformers' sdpa attention does not apply (older releases ignore it): the "
+            "unmodified model is not defined; load the model with attn_implementation='eager'"
+        )
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # learned sinks: GPT-OSS's s_aux, others' sinks
     options = {"scaling": scaling, "softcap": softcap, "sliding_window": sliding_window}
     layer = run.staged_layer(module.layer_idx)

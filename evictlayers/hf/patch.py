@@ -48,6 +48,8 @@ class EvictionRun:
             )
         self.model, self.policy, self.compile = model, policy, compile
         self.support = model_support(model)
+        # the attention implementation evictlayers stands in for (what the unmodified model runs)
+        self.replaced_implementation = getattr(model.config, "_attn_implementation", None)
         self._attention = [layer.module for layer in self.support.attention]
         self.num_layers = self.support.num_layers
         self.rotary: dict[int, RotaryTable] | None = None

@@ -186,12 +186,24 @@ def model_support(model: nn.Module) -> ModelSupport:
 
 def _layer_types(text_config, where: str) -> tuple[list[str], list[dict]]:
     layer_types, layer_kwargs = get_layer_types_and_kwargs(text_config)
+    if isinstance(layer_kwargs, dict):  # transformers < 5.19: one dict of keywords for every layer
+        layer_kwargs = [_keywords_of(kind, layer_kwargs) for kind in layer_types]
     for kind, kwargs in zip(layer_types, layer_kwargs):
         if kind == "sliding_attention" and not isinstance(kwargs.get("sliding_window"), int):
             raise UnsupportedModelError(
                 f"{where}: a sliding-window layer has sliding_window={kwargs.get('sliding_window')!r}, not a token count"
             )
     return list(layer_types), list(layer_kwargs)
+
+
+def _keywords_of(kind: str, shared: dict) -> dict:
+    """The keywords of ``shared`` that a cache layer of type ``kind`` takes (transformers' own split)."""
+    names = {
+        "sliding_attention": ("sliding_window",), "chunked_attention": ("sliding_window",),
+        "hybrid_sliding": ("sliding_window", "number_of_states"), "hybrid": ("number_of_states",),
+        "conv": ("number_of_states",), "linear_attention": ("number_of_states",),
+    }.get(kind, ())
+    return {name: shared[name] for name in names if name in shared}
 
 
 def _forward_source(cls: type) -> str | None:

@@ -4,13 +4,13 @@ evictlayers reaches into transformers' attention modules and cache classes, whic
 minor releases, so only the minors below are known to give the unmodified model's results:
 
 - ``TESTED_HIGHEST`` (5.23): the whole test suite, and ``docs/models.md`` was generated on it;
-- ``TESTED_LOWEST`` (5.21.0, pinned exactly by CI's ``compat`` job, ``bash scripts/run.sh compat``):
+- ``TESTED_LOWEST`` (5.14.1, pinned exactly by CI's ``compat`` job, ``bash scripts/run.sh compat``):
   the conformance sweep and the family tests.
 
-Below 5.21 the results are not the unmodified model's: transformers 5.19 and 5.20 run Gemma2 under
-SDPA without its attention soft-capping (5.21 dropped SDPA for Gemma2), 5.14 to 5.18 return one
-cache-layer kwargs dict instead of one per layer, and 5.13 and older lack
-``transformers.cache_utils.DYNAMIC_LAYER_TYPE_MAPPING`` (``import evictlayers`` fails there). Above
+Between the two, transformers 5.14 to 5.18 return one cache-layer keywords dict for every layer
+(``hf/support.py`` splits it per layer type), and 5.14 to 5.20 offer sdpa for Gemma2 while ignoring its
+soft-capping (``apply`` refuses soft-capped logits under sdpa). 5.13 and older lack
+``transformers.cache_utils.DYNAMIC_LAYER_TYPE_MAPPING`` and build cache layers differently. Above
 5.23 evictlayers may work but is untested: ``check_transformers_version`` warns once.
 """
 
@@ -21,7 +21,7 @@ import warnings
 import transformers
 from packaging.version import InvalidVersion, Version
 
-TESTED_LOWEST = (5, 21)  # the lowest tested minor (CI's compat job runs 5.21.0)
+TESTED_LOWEST = (5, 14)  # the lowest tested minor (CI's compat job runs 5.14.1)
 TESTED_HIGHEST = (5, 23)  # the highest tested minor (the full test suite)
 
 _warned = False
@@ -32,7 +32,7 @@ class UnsupportedTransformersError(RuntimeError):
 
 
 def tested_range() -> str:
-    """``"5.21 to 5.23"``: the tested minors, for messages."""
+    """``"5.14 to 5.23"``: the tested minors, for messages."""
     return f"{TESTED_LOWEST[0]}.{TESTED_LOWEST[1]} to {TESTED_HIGHEST[0]}.{TESTED_HIGHEST[1]}"
 
 
