@@ -18,8 +18,9 @@ from transformers import AutoModelForCausalLM, PretrainedConfig
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-VOCAB = 128
-PAD = 0
+from tiny_models import PAD, greedy, left_padded
+
+VOCAB = 128  # above tiny_models' token ids (< 96)
 WINDOW = 12  # sliding windows and attention chunks shorter than the sweep's sequences
 LAYERS = 4
 
@@ -179,25 +180,6 @@ class Outcome:
     rolling: str = ""  # for a working type: "works" or "refused" under Policy(positions="rolling")
 
 
-def _left_padded() -> tuple[torch.Tensor, torch.Tensor]:
-    generator = torch.Generator().manual_seed(1)
-    width = max(LENGTHS)
-    ids = torch.full((len(LENGTHS), width), PAD, dtype=torch.long)
-    mask = torch.zeros((len(LENGTHS), width), dtype=torch.long)
-    for row, length in enumerate(LENGTHS):
-        ids[row, width - length :] = torch.randint(3, VOCAB, (length,), generator=generator)
-        mask[row, width - length :] = 1
-    return ids, mask
-
-
-def _greedy(model, ids, mask):
-    with torch.no_grad():
-        return model.generate(
-            ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-            return_dict_in_generate=True, output_logits=True,
-        )
-
-
 def _forward(model, ids, mask) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=ids, attention_mask=mask).logits
@@ -234,9 +216,9 @@ def conformance(model_type: str, evictlayers) -> Outcome:
     el = evictlayers
     try:
         model = tiny_model(model_type)
-        ids, mask = _left_padded()
+        ids, mask = left_padded(LENGTHS)
         reference_logits = _forward(model, ids, mask)
-        reference = _greedy(model, ids, mask)
+        reference = greedy(model, ids, mask, NEW_TOKENS)
     except Exception as error:  # transformers itself cannot build or run the shrunk architecture
         return Outcome(model_type, "skipped", f"{type(error).__name__}: {str(error).splitlines()[0][:160]}")
     features = tuple(config_features(model))
@@ -244,7 +226,7 @@ def conformance(model_type: str, evictlayers) -> Outcome:
     try:  # refused by apply, or by the first attention call that passes what evictlayers cannot serve
         with el.apply(model, el.Policy(budget=None)):
             logits = _forward(model, ids, mask)
-            generated = _greedy(model, ids, mask)
+            generated = greedy(model, ids, mask, NEW_TOKENS)
     except el.UnsupportedModelError as error:
         torch.testing.assert_close(_forward(model, ids, mask), reference_logits, rtol=0, atol=0)
         return Outcome(model_type, "refused", str(error), features)
@@ -255,7 +237,7 @@ def conformance(model_type: str, evictlayers) -> Outcome:
 
     policy = el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=BUDGET)
     with el.apply(model, policy) as run:
-        _greedy(model, ids, mask)
+        greedy(model, ids, mask, NEW_TOKENS)
         stats = run.stats()
     windows = {layer.index: layer.window for layer in run.support.attention}
     assert windows, f"{model_type}: no attention layer served"
@@ -271,7 +253,7 @@ def conformance(model_type: str, evictlayers) -> Outcome:
 
     try:  # rolling positions with nothing evicted: every rank is the original position
         with el.apply(model, el.Policy(budget=None, positions="rolling")):
-            rolled = _greedy(model, ids, mask)
+            rolled = greedy(model, ids, mask, NEW_TOKENS)
         rolling = "works"
     except el.UnsupportedModelError:
         rolling = "refused"

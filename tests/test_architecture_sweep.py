@@ -85,15 +85,16 @@ def test_compiled_decode_equals_eager_on_new_attention_features(model_type):
     compiled decode step gives the eager step's tokens and logits under an H2O budget."""
     import torch
 
-    from architecture_sweep import BUDGET, _greedy, _left_padded, tiny_model
+    from architecture_sweep import BUDGET, LENGTHS, NEW_TOKENS, tiny_model
+    from tiny_models import greedy, left_padded
 
     model = tiny_model(model_type)
-    ids, mask = _left_padded()
+    ids, mask = left_padded(LENGTHS)
     policy = el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=BUDGET)
     runs = []
     for compiled in (False, True):
         with el.apply(model, policy, compile=compiled):
-            runs.append(_greedy(model, ids, mask))
+            runs.append(greedy(model, ids, mask, NEW_TOKENS))
     eager, compiled = runs
     assert torch.equal(eager.sequences, compiled.sequences)
     for got, want in zip(compiled.logits, eager.logits, strict=True):
