@@ -14,6 +14,7 @@ keep their state in the model's own cache layer objects, which the eviction cach
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import textwrap
 from dataclasses import dataclass
@@ -206,6 +207,7 @@ def _keywords_of(kind: str, shared: dict) -> dict:
     return {name: shared[name] for name in names if name in shared}
 
 
+@functools.lru_cache(maxsize=None)
 def _forward_source(cls: type) -> str | None:
     """The source of the ``forward`` that ``cls`` runs, or ``None`` where it cannot be read."""
     for owner in cls.__mro__:
