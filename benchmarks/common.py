@@ -22,6 +22,12 @@ from evictlayers.compose.recipes import SHIPPED_RECIPES
 
 RECIPES = SHIPPED_RECIPES
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+# ``--model``: the name the suite takes -> the name ``evictlayers.models.load`` takes and what the results call it
+MODELS = {
+    "default": ("default", "SmolLM2-135M-Instruct"),
+    "gemma-3-270m": ("gemma-3-270m", "Gemma 3 270M"),
+}
+DEFAULT_MODEL = "default"
 
 # Rough throughput of the embedded model on one core of the 2-core machine it was calibrated on
 # (1,024- and 2,048-token prefills, a 512-token decode), for the printed time estimate only.
@@ -43,6 +49,13 @@ class Settings:
     threads: int = 1
     compile: bool = True
     out: Path | None = None
+    model: str = DEFAULT_MODEL  # a key of MODELS
+    prompts: tuple[int, ...] | None = None  # ``--prompts``: decode/prefill prompt lengths instead of their own
+    configs: tuple[str, ...] | None = None  # ``--configs``: run only these configurations
+
+    def wants(self, config: str) -> bool:
+        """Whether ``--configs`` (if given) lets configuration ``config`` run."""
+        return self.configs is None or config in self.configs
 
     def repeats_for(self, default: int) -> int:
         """``--repeats`` if given, else 2 in ``--quick``, else the family's ``default``."""
@@ -79,7 +92,7 @@ class Context:
     @property
     def subject(self) -> Subject:
         if self._subject is None:
-            self._subject = load_subject(self.settings.quick)
+            self._subject = load_subject(self.settings.quick, self.settings.model)
         return self._subject
 
 
@@ -160,6 +173,22 @@ class Subject:
             "params": sum(p.numel() for p in self.model.parameters()),
         }
 
+    @functools.cached_property
+    def layer_windows(self) -> list[int | None]:
+        """Per decoder layer, the sliding window it attends over (``None``: every token). A sliding
+        layer's cache keeps at most ``window - 1`` tokens (transformers' and evictlayers' alike)."""
+        config = self.model.config
+        types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        window = getattr(config, "sliding_window", None)
+        return [window if kind == "sliding_attention" and window else None for kind in types]
+
+    def kv_bytes(self, slots: int, batch: int = 1) -> int:
+        """Key + value bytes of a cache holding ``slots`` tokens per head in every layer, a sliding
+        layer at most ``window - 1``: ``sum over layers of 2 * B * Hkv * min(slots, window - 1) * D * bytes``."""
+        g = self.geometry
+        per_token = 2 * batch * g["kv_heads"] * g["head_dim"] * g["kv_element_bytes"]
+        return sum(per_token * (slots if window is None else min(slots, window - 1)) for window in self.layer_windows)
+
     def kv_bytes_per_token(self, batch: int = 1) -> int:
         """Key + value bytes of one cached token over all layers: ``layers * 2 * B * Hkv * D * bytes``."""
         g = self.geometry
@@ -189,14 +218,39 @@ def tiny_llama() -> torch.nn.Module:
     return LlamaForCausalLM(config).float().eval()
 
 
-def load_subject(quick: bool) -> Subject:
-    """The tiny random Llama (``--quick``) or the embedded SmolLM2-135M-Instruct with its tokenizer."""
-    if quick:
-        return Subject("tiny-random-llama", tiny_llama(), None)
-    from evictlayers.models import load_default
+def tiny_gemma3() -> torch.nn.Module:
+    """A 3-layer random Gemma 3 (two 32-token sliding-window layers, then a global one; 4 query heads
+    per KV head as Gemma 3 270M), for ``--quick --model gemma-3-270m``: the quick prompts (64/128 tokens)
+    are longer than its window, so sliding layers drop tokens as the real model's do past 512."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
-    model, tokenizer = load_default()
-    return Subject("SmolLM2-135M-Instruct", model, tokenizer)
+    config = Gemma3TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, sliding_window=32, max_position_embeddings=4096,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"], tie_word_embeddings=True,
+    )
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return Gemma3ForCausalLM(config).float().eval()
+
+
+TINY_MODELS = {"default": ("tiny-random-llama", tiny_llama), "gemma-3-270m": ("tiny-random-gemma3", tiny_gemma3)}
+
+
+def load_subject(quick: bool, model: str = DEFAULT_MODEL) -> Subject:
+    """The model under test: ``model`` a key of :data:`MODELS` (``default``: the embedded
+    SmolLM2-135M-Instruct; ``gemma-3-270m``: Gemma 3 270M, offline through ``evictlayers.models.load``),
+    with its tokenizer; with ``quick`` a tiny random model of the same family (no tokenizer)."""
+    if model not in MODELS:
+        raise ValueError(f"unknown model {model!r}; allowed are {sorted(MODELS)}")
+    if quick:
+        name, build = TINY_MODELS[model]
+        return Subject(name, build(), None)
+    from evictlayers.models import load
+
+    load_name, name = MODELS[model]
+    loaded, tokenizer = load(load_name)
+    return Subject(name, loaded, tokenizer)
 
 
 def recipe(name: str, budget: int | float | None = ..., **changes):

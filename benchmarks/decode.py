@@ -47,6 +47,7 @@ from benchmarks.loop import (
 )
 
 NAME = "decode"
+USES_MODEL = True
 BASELINE = "hf-eager"
 DEFAULT_REPEATS = 3
 EL_STEP_OVERHEAD_S = 1e-3  # per layer: the eager slot store's Python and small ops, for the estimate only
@@ -66,11 +67,12 @@ class Plan:
 
 
 def make_plan(context: Context) -> Plan:
-    """Sizes of the full suite, or tiny ones with ``--quick``."""
-    repeats = context.settings.repeats_for(DEFAULT_REPEATS)
-    if context.settings.quick:
-        return Plan(prompts=(64, 128), batches=(1, 8), warmup=2, steps=2, repeats=repeats)
-    return Plan(prompts=(4096, 8192), batches=(1, 8), warmup=3, steps=4, repeats=repeats)
+    """Sizes of the full suite, or tiny ones with ``--quick``; ``--prompts`` replaces the prompt lengths."""
+    settings = context.settings
+    repeats = settings.repeats_for(DEFAULT_REPEATS)
+    if settings.quick:
+        return Plan(prompts=settings.prompts or (64, 128), batches=(1, 8), warmup=2, steps=2, repeats=repeats)
+    return Plan(prompts=settings.prompts or (4096, 8192), batches=(1, 8), warmup=3, steps=4, repeats=repeats)
 
 
 # (config, family, compiled); each family's first config is measured first for every prompt and batch
@@ -146,7 +148,8 @@ def cases(context: Context) -> list[Case]:
 
     for family in ("hf", "full", "h2o"):
         for prompt in plan.prompts:
-            for index, (config, compiled) in enumerate((c, k) for c, f, k in CONFIGS if f == family):
+            wanted = [(c, k) for c, f, k in CONFIGS if f == family and settings.wants(c)]  # --configs
+            for index, (config, compiled) in enumerate(wanted):
                 for batch in plan.batches:
                     first = index == 0 and batch == plan.batches[0]
                     out.append(Case(

@@ -55,7 +55,11 @@ def tiled(cache, batch: int, keep=()):
 def static_copy(model, source, batch: int, max_cache_len: int):
     """A ``StaticCache`` of ``max_cache_len`` slots holding ``source``'s tokens (a batch-1 DynamicCache)
     in each of ``batch`` rows: the keys/values written into the static buffers, which keep their
-    addresses (``mark_static_address``) for the compiled forward."""
+    addresses (``mark_static_address``) for the compiled forward.
+
+    A sliding-window layer (Gemma 3) holds the last ``window - 1`` tokens in the dynamic cache and the
+    last ``window`` in order in the static one, which, once full, rolls its first slot out before it
+    writes the next token: the held tokens go right-aligned, and the first slot is dropped unread."""
     from transformers import StaticCache
 
     first = source.layers[0].keys
@@ -63,9 +67,13 @@ def static_copy(model, source, batch: int, max_cache_len: int):
     cache.early_initialization(batch, first.shape[1], first.shape[-1], first.dtype, first.device)
     seen = source.get_seq_length()
     for layer, filled in zip(cache.layers, source.layers, strict=True):
-        layer.keys[:, :, :seen].copy_(filled.keys.expand(batch, -1, -1, -1))
-        layer.values[:, :, :seen].copy_(filled.values.expand(batch, -1, -1, -1))
+        held, slots = filled.keys.shape[-2], layer.keys.shape[-2]
+        start = slots - held if seen >= slots else 0  # seen < slots: every token, from slot 0
+        layer.keys[:, :, start : start + held].copy_(filled.keys.expand(batch, -1, -1, -1))
+        layer.values[:, :, start : start + held].copy_(filled.values.expand(batch, -1, -1, -1))
         layer.cumulative_length.fill_(seen)
+        if hasattr(layer, "cumulative_length_int"):  # StaticSlidingWindowLayer's Python-side count
+            layer.cumulative_length_int = seen
     return cache
 
 

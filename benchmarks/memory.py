@@ -3,7 +3,8 @@
 After a batch-1 prefill of a PG-19 prompt, tiled to the batch, and a few decode steps, each row
 reports the bytes of the key/value tensors the cache holds: ``run.stats()['kv_bytes']`` for
 evictlayers, the DynamicCache's tensors for the unmodified model (``hf``, the baseline of the
-ratio). The formula is ``layers * 2 * B * H_kv * slots * D * bytes`` with ``slots`` the tokens seen
+ratio). The formula is ``layers * 2 * B * H_kv * slots * D * bytes`` (a sliding-window layer, as 5 of 6 in
+Gemma 3, counts at most ``window - 1`` slots) with ``slots`` the tokens seen
 for ``hf`` and ``el-full`` (a full cache holds every token) and ``budget + 1`` for ``el-h2o`` at 20%
 (``budget = round_half_up(0.2 * prompt)``; the spare slot is where the next token lands).
 ``vs_formula`` is measured / formula: ``el-full`` grows its slots in steps of an eighth, so it may
@@ -21,6 +22,7 @@ from benchmarks.common import Case, Context, estimate_prefill_s, metric, row
 from benchmarks.loop import DecodeLoop, PrefillMemo, kv_resident_bytes, tiled
 
 NAME = "memory"
+USES_MODEL = True
 BASELINE = "hf"
 DEFAULT_REPEATS = 1  # deterministic: byte counts do not vary between runs
 CONFIGS = {"hf": "hf", "el-full": "full", "el-h2o": "h2o"}  # config -> prefill family
@@ -59,7 +61,7 @@ def cases(context: Context) -> list[Case]:
             measured = run.stats()["kv_bytes"] if run is not None else kv_resident_bytes(cache)
         seen = prompt + steps
         slots = formula_slots(config, prompt, seen)
-        formula = context.subject.kv_bytes_per_token(batch) * slots
+        formula = context.subject.kv_bytes(slots, batch)  # a sliding layer holds at most window - 1
         return row(
             config, {"prompt": prompt, "batch": batch},
             {"kv_mib": metric([measured / 2**20], "MiB", BASELINE, higher_is_better=False)},

@@ -27,14 +27,16 @@ import torch
 from benchmarks.common import Case, Context, estimate_prefill_s, load_subject, metric, recipe, row
 
 NAME = "prefill"
+USES_MODEL = True
 BASELINE = "hf-sdpa"
 DEFAULT_REPEATS = 1  # a 16k prefill takes minutes on 2 cores; --repeats N runs N processes per config
 CONFIGS = ("hf-sdpa", "el-h2o", "el-streaming_llm", "el-keydiff")
 LOAD_S = 5.0  # loading the model in a fresh process, for the estimate only
 
 
-def prompts(quick: bool) -> tuple[int, ...]:
-    return (64, 128) if quick else (8192, 16384)
+def prompts(quick: bool, chosen: tuple[int, ...] | None = None) -> tuple[int, ...]:
+    """``chosen`` (``--prompts``), else the suite's own lengths."""
+    return chosen or ((64, 128) if quick else (8192, 16384))
 
 
 def skip_reason(context: Context) -> str | None:
@@ -58,10 +60,10 @@ def _reset_peak() -> bool:
     return True
 
 
-def measure_in_child(quick: bool, threads: int, config: str, tokens: int) -> dict:
-    """Runs in the fresh process: ``{'seconds', 'peak_mib', 'hwm_reset'}`` of one prefill."""
+def measure_in_child(quick: bool, threads: int, config: str, tokens: int, model: str) -> dict:
+    """Runs in the fresh process: ``{'seconds', 'peak_mib', 'hwm_reset'}`` of one prefill of ``model``."""
     torch.set_num_threads(threads)
-    subject = load_subject(quick)
+    subject = load_subject(quick, model)
     model, ids = subject.model, subject.prompt(tokens)
     mask = torch.ones_like(ids)
     if config.startswith("el-"):
@@ -95,9 +97,9 @@ def fresh_process_context():
     return _POOL_CONTEXT
 
 
-def run_fresh(quick: bool, threads: int, config: str, tokens: int) -> dict:
+def run_fresh(quick: bool, threads: int, config: str, tokens: int, model: str) -> dict:
     with fresh_process_context().Pool(processes=1, maxtasksperchild=1) as pool:
-        return pool.apply(measure_in_child, (quick, threads, config, tokens))
+        return pool.apply(measure_in_child, (quick, threads, config, tokens, model))
 
 
 def cases(context: Context) -> list[Case]:
@@ -105,14 +107,14 @@ def cases(context: Context) -> list[Case]:
     repeats = settings.repeats_for(DEFAULT_REPEATS)
 
     def measure(config: str, tokens: int) -> dict:
-        results = [run_fresh(settings.quick, settings.threads, config, tokens) for _ in range(repeats)]
+        results = [run_fresh(settings.quick, settings.threads, config, tokens, settings.model) for _ in range(repeats)]
         metrics = {"seconds": metric([r["seconds"] for r in results], "s", BASELINE, higher_is_better=False)}
         if all(r["peak_mib"] is not None for r in results):
             metrics["peak_rss_mib"] = metric([r["peak_mib"] for r in results], "MiB", BASELINE, False)
         return row(config, {"prompt": tokens}, metrics, {"hwm_reset": all(r["hwm_reset"] for r in results)})
 
     out = []
-    for tokens in prompts(settings.quick):
+    for tokens in prompts(settings.quick, settings.prompts):
         for config in CONFIGS:
             prefill_s = estimate_prefill_s(context.subject.geometry, tokens, config == "el-h2o", context.cores)
             estimate = repeats * (LOAD_S + prefill_s)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from benchmarks import decode, kernel, memory, overhead, prefill, report
-from benchmarks.common import RESULTS_DIR, Context, Settings, cpu_count
+from benchmarks.common import DEFAULT_MODEL, MODELS, RESULTS_DIR, Context, Settings, cpu_count
 
 # the order they run in: the quick ones first, so a broken setup shows within seconds
 FAMILIES = {module.NAME: module for module in (memory, overhead, decode, prefill, kernel)}
@@ -36,7 +36,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="torch threads (default: all cores; 1 with --quick, whose tensors are too small to share)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile configurations")
     parser.add_argument("--out", type=Path, help=f"directory for <machine>.json/.md (default: {RESULTS_DIR})")
+    parser.add_argument("--model", choices=list(MODELS), default=DEFAULT_MODEL,
+                        help="the model under test: 'default' (the embedded SmolLM2-135M-Instruct) or "
+                             "'gemma-3-270m' (Gemma 3 270M); results of another model than the default go to "
+                             "<machine>-<model>.json/.md; with --quick a tiny random model of that family "
+                             "(default: %(default)s)")
+    parser.add_argument("--prompts", type=int, nargs="+", metavar="TOKENS",
+                        help="prompt lengths for decode and prefill instead of their own")
+    parser.add_argument("--configs", nargs="+", metavar="CONFIG",
+                        help="run only these configurations (e.g. hf-eager el-h2o); a ratio needs its baseline")
     args = parser.parse_args(argv)
+    if args.prompts is not None and min(args.prompts) < 2:
+        parser.error("--prompts must be >= 2 tokens")
     if args.repeats is not None and args.repeats < 1:
         parser.error("--repeats must be >= 1")
     if args.threads is not None and args.threads < 1:
@@ -44,9 +55,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def machine_slug() -> str:
-    """``cpu-<cores>core``: the results of different machines go to different files."""
-    return f"cpu-{cpu_count()}core"
+def machine_slug(model: str = DEFAULT_MODEL) -> str:
+    """``cpu-<cores>core``, ``-<model>`` after it for another model than the default: the results of
+    different machines and models go to different files."""
+    slug = f"cpu-{cpu_count()}core"
+    return slug if model == DEFAULT_MODEL else f"{slug}-{model}"
 
 
 def cpu_name() -> str:
@@ -128,8 +141,14 @@ def run(settings: Settings, names: list[str]) -> dict:
             print(f"{name}: skipped, {reason}", flush=True)
             results[name] = {"status": "skipped", "reason": reason, "env": env, "quick": settings.quick}
         else:
-            planned.append((name, family.cases(context)))
+            planned.append((name, [case for case in family.cases(context) if settings.wants(case.config)]))
+    if settings.configs is not None:
+        known = {case.config for _, cases in planned for case in cases}
+        unknown = [config for config in settings.configs if config not in known]
+        if unknown:
+            raise SystemExit(f"--configs: {unknown} match no configuration of {[n for n, _ in planned]}")
     estimate = sum(case.estimate_s for _, cases in planned for case in cases)
+    print(f"model: {MODELS[settings.model][1]}{' (tiny random, --quick)' if settings.quick else ''}", flush=True)
     print(f"{sum(len(c) for _, c in planned)} measurements, estimated {estimate / 60:.1f} min on {settings.threads} "
           f"threads with {context.cores:.1f} cores free (load average {env['load_average']:.1f}; a rough model "
           "calibrated on a 2-core machine)", flush=True)
@@ -147,20 +166,29 @@ def run(settings: Settings, names: list[str]) -> dict:
                 rows.append(run_case(case))
                 report.add_ratios(rows)
                 progress.finish(report.line(name, rows[-1]))
-            results[name] = {"status": "ok", "env": env, "quick": settings.quick,
+            results[name] = {"status": "ok", "env": env, "quick": settings.quick, **subject_of(FAMILIES[name], context),
                              "seconds": time.perf_counter() - start, "rows": rows}
             del cases
             gc.collect()
     finally:
         progress.close()
-    return {"schema": report.SCHEMA, "machine": machine_slug(), "env": env, "benchmarks": results}
+    return {"schema": report.SCHEMA, "machine": machine_slug(settings.model), "model": settings.model, "env": env,
+            "benchmarks": results}
+
+
+def subject_of(family, context: Context) -> dict:
+    """``{"model": name}`` of the model a family measured (``memory``, ``decode``, ``prefill``); ``{}``
+    for those that never load it (``overhead``, ``kernel``: random tensors of SmolLM2's shapes)."""
+    return {"model": context.subject.name} if getattr(family, "USES_MODEL", False) else {}
 
 
 def main(argv: list[str] | None = None) -> dict:
     args = parse_args(argv)
     threads = args.threads or (1 if args.quick else cpu_count())
     settings = Settings(quick=args.quick, repeats=args.repeats, threads=threads, compile=not args.no_compile,
-                        out=args.out or (None if args.quick else RESULTS_DIR))
+                        out=args.out or (None if args.quick else RESULTS_DIR), model=args.model,
+                        prompts=tuple(args.prompts) if args.prompts else None,
+                        configs=tuple(args.configs) if args.configs else None)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tiny_models import single_thread  # noqa: F401
 
@@ -116,3 +117,123 @@ def test_quick_runs_write_nothing_without_out(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path / "results")
     main(["--quick", "--no-compile", "--threads", "1", "--only", "memory"])
     assert not (tmp_path / "results").exists()
+
+
+# ---- --model: a second model, its own results files ---------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma_quick_run(tmp_path_factory):
+    """``--quick --model gemma-3-270m``: a tiny random Gemma 3 whose two sliding-window layers (32
+    tokens) are shorter than the quick prompts, so they drop tokens as the real model's do past 512."""
+    out = tmp_path_factory.mktemp("gemma-results")
+    returned = main(["--quick", "--no-compile", "--threads", "1", "--model", "gemma-3-270m",
+                     "--only", "memory", "decode", "--out", str(out)])
+    return out, returned
+
+
+def test_default_model_keeps_the_machine_file_name_and_records_the_model(quick_run):
+    out, returned = quick_run
+    assert returned["model"] == "default" and "-" not in returned["machine"].removeprefix("cpu-")
+    for name in ("memory", "decode", "prefill"):
+        assert returned["benchmarks"][name]["model"] == "tiny-random-llama"
+    for name in ("overhead", "kernel"):  # random tensors of SmolLM2's shapes: no model to name
+        assert "model" not in returned["benchmarks"][name]
+    assert "on tiny-random-llama" in (out / f"{returned['machine']}.md").read_text()
+
+
+def test_another_model_writes_its_own_files_and_names_itself(gemma_quick_run):
+    from benchmarks.suite import machine_slug
+
+    out, returned = gemma_quick_run
+    assert returned["machine"] == machine_slug("gemma-3-270m") == machine_slug() + "-gemma-3-270m"
+    assert sorted(p.name for p in out.iterdir()) == [f"{returned['machine']}.json", f"{returned['machine']}.md"]
+    written = json.loads((out / f"{returned['machine']}.json").read_text())
+    assert written["model"] == "gemma-3-270m"
+    assert {r["model"] for r in written["benchmarks"].values()} == {"tiny-random-gemma3"}
+    assert "--model gemma-3-270m" in (out / f"{returned['machine']}.md").read_text()
+
+
+def test_default_and_second_model_results_do_not_overwrite_each_other(tmp_path):
+    for model in ("default", "gemma-3-270m"):
+        main(["--quick", "--threads", "1", "--model", model, "--only", "memory", "--out", str(tmp_path)])
+    files = {p.name: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert {d["model"] for d in files.values()} == {"default", "gemma-3-270m"} and len(files) == 2
+    assert len(list(tmp_path.glob("*.md"))) == 2
+
+
+def test_second_model_runs_every_configuration_and_counts_sliding_layers(gemma_quick_run):
+    results = gemma_quick_run[1]["benchmarks"]
+    for result in results.values():
+        assert result["status"] == "ok"
+        for row in result["rows"]:
+            assert row["status"] == "ok" or row["reason"] == "--no-compile", row
+    # hf: a sliding layer holds window - 1 = 31 tokens, the global layer every token; el-h2o: its budget
+    for r in results["memory"]["rows"]:
+        if r["config"] in ("hf", "el-h2o"):
+            assert r["info"]["kv_bytes"] == r["info"]["formula_bytes"], r
+    hf = next(r for r in results["memory"]["rows"] if r["config"] == "hf" and r["params"]["batch"] == 1)
+    per_token = 2 * 1 * 32 * 4  # keys + values, 1 KV head, head dim 32, fp32
+    assert hf["info"]["kv_bytes"] == per_token * (31 + 31 + hf["info"]["seen"])
+
+
+def test_unknown_model_is_refused():
+    with pytest.raises(SystemExit):
+        main(["--quick", "--model", "no-such-model"])
+
+
+def test_the_real_model_is_loaded_by_its_name(monkeypatch):
+    """Without --quick the subject comes from ``evictlayers.models.load`` (stubbed: no real model here)."""
+    import evictlayers.models
+
+    from benchmarks.common import load_subject, tiny_llama
+
+    asked = []
+    monkeypatch.setattr(evictlayers.models, "load", lambda name: asked.append(name) or (tiny_llama(), "tokenizer"))
+    assert load_subject(False, "gemma-3-270m").name == "Gemma 3 270M"
+    assert load_subject(False).name == "SmolLM2-135M-Instruct"
+    assert asked == ["gemma-3-270m", "default"]
+    with pytest.raises(ValueError, match="unknown model"):
+        load_subject(False, "no-such-model")
+
+
+def test_prefill_child_loads_the_chosen_model(monkeypatch):
+    from benchmarks import prefill
+
+    monkeypatch.setattr(prefill, "_reset_peak", lambda: False)  # leave this process's peak-RSS counter alone
+    loaded = []
+    real = prefill.load_subject
+    monkeypatch.setattr(prefill, "load_subject", lambda quick, model: loaded.append(model) or real(quick, model))
+    result = prefill.measure_in_child(True, 1, "el-h2o", 48, "gemma-3-270m")
+    assert loaded == ["gemma-3-270m"] and result["seconds"] > 0
+
+
+def test_configs_and_prompts_restrict_the_plan():
+    returned = main(["--quick", "--no-compile", "--threads", "1", "--only", "decode", "--prompts", "48",
+                     "--configs", "hf-eager", "el-h2o"])
+    rows = returned["benchmarks"]["decode"]["rows"]
+    assert {(r["config"], r["params"]["prompt"]) for r in rows} == {("hf-eager", 48), ("el-h2o", 48)}
+    assert all(r["metrics"]["tokens_per_s"]["ratio"] is not None for r in rows)
+    with pytest.raises(SystemExit):
+        main(["--quick", "--threads", "1", "--only", "decode", "--configs", "no-such-config"])
+
+
+def test_static_copy_of_sliding_window_layers_decodes_as_the_dynamic_cache():
+    """hf-static-compiled on Gemma 3: a StaticCache built from a DynamicCache whose sliding layers
+    dropped tokens (64-token prompt, 32-token window) decodes the same logits, here without compiling."""
+    from benchmarks.common import tiny_gemma3
+    from benchmarks.loop import DecodeLoop, attention_implementation, prefill, static_copy, tiled
+
+    model = tiny_gemma3()
+    ids = torch.randint(3, 256, (1, 64), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode(), attention_implementation(model, "sdpa"):
+        cache, token = prefill(model, ids)
+        logits = {}
+        for name, copy in (("dynamic", tiled(cache, 2)), ("static", static_copy(model, cache, 2, 64 + 6))):
+            loop, steps = DecodeLoop(model, model, copy, token.expand(2, 1), 64, 6), []
+            forward = loop.forward
+            loop.forward = lambda **inputs: steps.append(forward(**inputs)) or steps[-1]
+            for _ in range(6):
+                loop()
+            logits[name] = torch.stack([out.logits[:, -1] for out in steps])
+    torch.testing.assert_close(logits["static"], logits["dynamic"], atol=1e-5, rtol=1e-5)

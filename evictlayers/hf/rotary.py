@@ -62,6 +62,17 @@ def _module_table(rotary: nn.Module, layer_type: str | None) -> RotaryTable:
     return RotaryTable(compute)
 
 
+def _halves_table(table: RotaryTable) -> RotaryTable:
+    """``table`` for a model whose rotary module returns one angle per pair (``[N, D/2]``, as GPT-OSS's)
+    and applies it to both halves: the same angles written out for the full rotate-half width."""
+
+    def compute(rows: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = table.compute(rows, device, dtype)
+        return torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+
+    return RotaryTable(compute)
+
+
 def model_rotary_tables(
     model: nn.Module, support: ModelSupport, capture: Callable[[torch.Tensor], Capture]
 ) -> dict[int, RotaryTable]:
@@ -96,7 +107,7 @@ def model_rotary_tables(
 
     typed = "layer_type" in inspect.signature(rotary.forward).parameters
     layer_types = getattr(model.config.get_text_config(decoder=True), "layer_types", None)
-    module_tables: dict[str | None, RotaryTable] = {}
+    module_tables: dict[str | None, tuple[RotaryTable, RotaryTable]] = {}
     tables: dict[int, RotaryTable] = {}
     for layer in support.attention:
         if layer.index not in rotated or layer.index not in unrotated:
@@ -105,8 +116,9 @@ def model_rotary_tables(
             )
         layer_type = layer_types[layer.index] if typed and layer_types is not None else None
         if layer_type not in module_tables:
-            module_tables[layer_type] = _module_table(rotary, layer_type)
-        for table in (module_tables[layer_type], IDENTITY):
+            own = _module_table(rotary, layer_type)
+            module_tables[layer_type] = (own, _halves_table(own))
+        for table in (*module_tables[layer_type], IDENTITY):
             if _reproduces(table, unrotated[layer.index], rotated[layer.index]):
                 tables[layer.index] = table
                 break
