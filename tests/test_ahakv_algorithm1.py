@@ -14,10 +14,15 @@ from hypothesis import given
 from torch._dynamo.utils import counters
 
 import evictlayers as el
-import test_selector_properties as properties
 from evictlayers.compose.recipes import RecipeError, policy_from_dict
 from evictlayers.scoring import RecentThenCumulative, SlotView
 from reference_scorers import ReferenceAlgorithm1, single_thread  # noqa: F401 (autouse fixture)
+from selector_cases import (
+    PROPERTY_SETTINGS,
+    check_budget_protection_causality,
+    check_rows_and_heads_evict_independently,
+    scenarios,
+)
 
 RECIPES = Path(el.__file__).parent / "recipes"
 N, D = 48, 16
@@ -131,9 +136,21 @@ def test_recipe_round_trip(prior):
         el.RecentWindow(4), el.HeavyHitterSelector(RecentThenCumulative(6, prefill_prior=prior), el.StepGainSoftmax()),
         budget=0.3,
     )
+    accumulator = {"_component_": "RecentThenCumulative", "rows": 6}
+    if prior is not None:
+        accumulator["prefill_prior"] = {"_component_": "ValuePrior", "pool": 3}
+    expected = {  # the recipe this policy is, written out (compose/recipes.py's format)
+        "budget": 0.3, "drop": 1, "allocation": {"_component_": "Uniform"}, "gqa_reduce": "sum",
+        "storage": {"_component_": "DenseKV"}, "positions": "absolute",
+        "modules": [
+            {"_component_": "RecentWindow", "size": 4},
+            {"_component_": "HeavyHitterSelector", "accumulator": accumulator,
+             "transform": {"_component_": "StepGainSoftmax"}},
+        ],
+    }
     text = el.dump_recipe(policy)
-    assert ("prefill_prior" in text) == (prior is not None)
-    assert policy_from_dict(yaml.safe_load(text)) == policy
+    assert yaml.safe_load(text) == expected
+    assert yaml.safe_load(el.dump_recipe(policy_from_dict(yaml.safe_load(text)))) == expected
 
 
 @pytest.mark.parametrize(
@@ -172,24 +189,22 @@ def test_a_selector_prior_can_sit_beside_the_prefill_prior():
     assert {"prior_sum", "prefill_prior_sum", "prefill_weight"} <= set(selector.state_specs)
 
 
-# ---- the properties every selector keeps (tests/test_selector_properties.py), for this one -------------
+# ---- the properties every selector keeps (tests/selector_cases.py), for this one ----------------------
 
-properties.SELECTORS.setdefault(
-    "ahakv_algorithm1",
-    lambda: el.HeavyHitterSelector(RecentThenCumulative(3, el.ValuePrior(3)), el.StepGainSoftmax()),
-)
+def _algorithm1_selector() -> el.HeavyHitterSelector:
+    return el.HeavyHitterSelector(RecentThenCumulative(3, el.ValuePrior(3)), el.StepGainSoftmax())
 
 
-@properties.PROPERTY_SETTINGS
-@given(s=properties.scenarios())
+@PROPERTY_SETTINGS
+@given(s=scenarios())
 def test_budget_protection_causality(s):
-    properties.test_budget_protection_causality.hypothesis.inner_test("ahakv_algorithm1", s)
+    check_budget_protection_causality(_algorithm1_selector, s)
 
 
-@properties.PROPERTY_SETTINGS
-@given(s=properties.scenarios())
+@PROPERTY_SETTINGS
+@given(s=scenarios(perturbable=True))
 def test_each_row_and_head_evicts_on_its_own(s):
-    properties.test_each_row_and_head_evicts_on_its_own.hypothesis.inner_test("ahakv_algorithm1", s)
+    check_rows_and_heads_evict_independently(_algorithm1_selector, s)
 
 
 # ---- through a model: padding and the compiled decode step --------------------------------------------

@@ -4,6 +4,7 @@ checkpoint saved to disk (the real model only in the slow test)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -93,6 +94,12 @@ def test_missing_model_directory(capsys, tmp_path):
     assert "no-model" in str(exit_info.value) and "no such directory" in str(exit_info.value)
 
 
+def _table_rows(text: str) -> list[list[str]]:
+    """The cells of every markdown table row in ``text``."""
+    return [[cell.strip() for cell in line.strip().strip("|").split("|")] for line in text.splitlines()
+            if line.startswith("|")]
+
+
 def test_eval_writes_json_table_and_plots(capsys, checkpoint, books, tmp_path):
     out = tmp_path / "out"
     code = main(["eval", "full", "h2o", "local", "--task", "agreement", "--budget", "0.2", "0.5",
@@ -104,11 +111,24 @@ def test_eval_writes_json_table_and_plots(capsys, checkpoint, books, tmp_path):
     assert [r["label"] for r in result["runs"]] == ["full", "h2o@0.2", "h2o@0.5", "local@0.2", "local@0.5"]
     full = result["runs"][0]
     assert full["top1"] == 1.0 and abs(full["kl"]) < 1e-5
-    assert result["runs"][1]["kept_fraction"] < result["runs"][2]["kept_fraction"] < 1.0
+    # 65-token documents stream 64 tokens; a budget is round_half_up(fraction * 64) tokens per head
+    kept = {0.2: 13 / 64, 0.5: 32 / 64}
+    for run in result["runs"][1:]:
+        assert run["kept_fraction"] == kept[run["budget"]], run["label"]
+    # the printed table: one row per recipe and budget, in the order given; the full cache agrees with
+    # itself and keeps every slot; the budgets keep the fraction above
+    rows = _table_rows(printed)
+    assert rows[0][:6] == ["policy", "budget", "top-1 agreement", "KL (nats)", "perplexity", "KV kept"]
+    assert [row[:2] for row in rows[2:]] == [
+        ["full", "full"], ["h2o", "20%"], ["h2o", "50%"], ["local", "20%"], ["local", "50%"]
+    ]
+    assert rows[2][2:4] == ["1.000", "0.0000"] and rows[2][5] == "100.0%"
+    assert [row[5] for row in rows[3:]] == ["20.3%", "50.0%", "20.3%", "50.0%"]
     table = (out / "agreement.md").read_text()
-    assert "| h2o | 20% |" in table and "| local | 50% |" in table
-    assert "| h2o | 20% |" in printed
-    for plot in ("agreement_score_vs_budget.png", "agreement_positions.png"):
+    assert _table_rows(table) == rows  # the file holds the table printed
+    files = ["agreement.json", "agreement.md", "agreement_score_vs_budget.png", "agreement_positions.png"]
+    assert printed.rstrip("\n").splitlines()[-1] == "wrote " + ", ".join(str(out / name) for name in files)
+    for plot in files[2:]:
         data = (out / plot).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
@@ -137,28 +157,106 @@ def test_needles_dump_matches_what_a_recent_window_keeps(checkpoint, tmp_path, c
     out = tmp_path / "needles"
     main(["needles", "full", "local", "--budget", "0.5", "--haystack", "filler", "--length", "300", "--depths", "3",
           "--model", str(checkpoint), "--out", str(out)])
+    printed = capsys.readouterr().out
     payload = json.loads((out / "needles.json").read_text())
-    assert "| full | " in (out / "needles.md").read_text()
     assert payload["summary"]["full"]["whole"] == 1.0
     tokenizer = char_tokenizer()
     from evictlayers.eval.suite import PasskeyTask
 
     rows = PasskeyTask(tokenizer, lengths=[300], depths=3).build_rows()
-    for row, record in zip(rows, payload["records"]["local"]):
+    whole = []
+    for row, record in zip(rows, payload["records"]["local"], strict=True):
         n = record["prompt_tokens"]
         kept_from = n - (n + 1) // 2  # budget round_half_up(0.5 n) of the most recent tokens
-        expected = sum(i >= kept_from for i in key_token_indices(tokenizer, row["text"], row["answer"]))
+        key = key_token_indices(tokenizer, row["text"], row["answer"])
+        expected = sum(i >= kept_from for i in key)
         assert all(count == expected for layer in record["held"] for count in layer), (record, expected)
+        whole.append(expected == len(key))
     depths = [r["depth"] for r in payload["records"]["local"]]
     assert depths == [0.0, 0.5, 1.0]
+    # printed: the heading from the arguments, a summary row per recipe (the full cache holds every key
+    # token in every head; local holds the whole key where it lies in the last half), the files written
+    lines = printed.splitlines()
+    assert lines[0] == "# Per-head needle dump (filler haystack, 3 prompts of ~300 tokens, budget 0.5)"
+    summary = {row[0]: row for row in _table_rows(printed)[2:]}
+    assert list(summary) == ["full", "local"]
+    assert summary["full"][2:5] == ["100%", "0%", "0%"]
+    whole_share = sum(whole) / len(whole)
+    assert summary["local"][2] == f"{100 * whole_share:.0f}%"
+    for name in ("full", "local"):
+        assert re.fullmatch(r"\d/3", summary[name][1]), summary[name]
+    assert lines[-1] == f"wrote {out / 'needles.json'}, {out / 'needles.md'}"
+    assert _table_rows((out / "needles.md").read_text())[: len(summary) + 2] == _table_rows(printed)[: len(summary) + 2]
 
 
-def test_generate_prints_text_and_cache_stats(checkpoint, capsys):
-    assert main(["generate", "h2o", "The pass key is 12345. " * 10, "--model", str(checkpoint),
-                 "--max-new-tokens", "5", "--budget", "16"]) == 0
+PROMPT = "The pass key is 12345. " * 10
+NEW_TOKENS = 5
+
+
+def _greedy_reference(model, ids: torch.Tensor, new_tokens: int, window: int | None = None) -> list[int]:
+    """Greedy tokens of the unmodified model, recomputing the whole sequence every step with an explicit
+    attention mask and no cache: causal over the prompt; with ``window``, a generated token's query sees
+    only itself and the ``window`` tokens before it (what a local window of ``window`` tokens per head
+    leaves after the prompt was attended in full)."""
+    prompt = ids.shape[1]
+    for _ in range(new_tokens):
+        n = ids.shape[1]
+        i, j = torch.arange(n)[:, None], torch.arange(n)[None, :]
+        allowed = j <= i
+        if window is not None:
+            allowed &= (i < prompt) | (j >= i - window)
+        mask = torch.zeros(n, n).masked_fill(~allowed, float("-inf"))[None, None]
+        with torch.no_grad():
+            logits = model(input_ids=ids, attention_mask=mask).logits[:, -1]
+        ids = torch.cat([ids, logits.argmax(-1, keepdim=True)], dim=1)
+    return ids[0, prompt:].tolist()
+
+
+@pytest.mark.parametrize(
+    "recipe, budget, described, window",
+    [
+        ("full", None, "budget=None (full cache)", None),
+        ("local", 16, "budget=16 tokens per head", 16),
+        # a budget above the whole sequence: nothing is evicted, the unmodified model's text
+        ("h2o", 400, "budget=400 tokens per head", None),
+    ],
+    ids=["full", "local-16", "h2o-above-the-sequence"],
+)
+def test_generate_prints_the_greedy_text_and_cache_stats(checkpoint, capsys, recipe, budget, described, window):
+    from transformers import AutoModelForCausalLM
+
+    assert main(["generate", recipe, PROMPT, "--model", str(checkpoint), "--max-new-tokens", str(NEW_TOKENS),
+                 *(["--budget", str(budget)] if budget else [])]) == 0
     captured = capsys.readouterr()
-    assert len(captured.out.strip("\n")) >= 1
-    assert "cache keeps 16 of" in captured.err and "5 generated" in captured.err
+    tokenizer = char_tokenizer()
+    ids = tokenizer(PROMPT, return_tensors="pt").input_ids
+    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    reference = tokenizer.decode(_greedy_reference(model, ids, NEW_TOKENS, window), skip_special_tokens=True)
+    assert captured.out == reference + "\n"
+    prompt = ids.shape[1]
+    seen = prompt + NEW_TOKENS - 1  # the last generated token is never fed back
+    kept = seen if window is None else window
+    assert re.search(
+        rf"^\[{recipe}, {re.escape(described)}, drop=1, gqa_reduce='sum'\] prompt {prompt} tokens, "
+        rf"{NEW_TOKENS} generated in [\d.]+ s; cache keeps {kept} of {seen} tokens per head \([\d.]+ MiB\)$",
+        captured.err, flags=re.MULTILINE,
+    ), captured.err
+
+
+def test_generate_under_eviction_prints_the_budget_it_keeps(checkpoint, capsys):
+    """H2O at 16 tokens per head: every layer holds 16 tokens of the sequence, 2 layers x (k, v) x 2 KV heads
+    x 17 slots (the budget and the spare slot) x 8 channels in float32 = 4352 bytes."""
+    assert main(["generate", "h2o", PROMPT, "--model", str(checkpoint), "--max-new-tokens", str(NEW_TOKENS),
+                 "--budget", "16"]) == 0
+    captured = capsys.readouterr()
+    prompt = len(char_tokenizer()(PROMPT).input_ids)
+    assert len(char_tokenizer()(captured.out.rstrip("\n")).input_ids) <= NEW_TOKENS  # special tokens are skipped
+    assert re.search(
+        rf"^\[h2o, budget=16 tokens per head, drop=1, gqa_reduce='sum'\] prompt {prompt} tokens, "
+        rf"{NEW_TOKENS} generated in [\d.]+ s; cache keeps 16 of {prompt + NEW_TOKENS - 1} tokens per head "
+        rf"\({4352 / 2**20:.2f} MiB\)$",
+        captured.err, flags=re.MULTILINE,
+    ), captured.err
 
 
 @pytest.mark.parametrize("module", ["evictlayers.cli", "evictlayers"])

@@ -18,8 +18,10 @@ from torch._dynamo.utils import counters
 
 import evictlayers as el
 from evictlayers.kernels import attention_with_mass, decode_attention_with_mass
+from evictlayers.compose.store import COIN_TABLE_TOKENS
+from held_memory import held_bytes, held_storages, storage_addresses
 from reference_cluster_sketch import reference_kcenter
-from tiny_models import build, greedy, left_padded, single_thread, unpad_row  # noqa: F401
+from tiny_models import build, greedy, kv_geometry, left_padded, single_thread, unpad_row  # noqa: F401
 
 LENGTHS = [20, 13]
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -34,8 +36,9 @@ def kcenter(budget=8, recent=3) -> el.Policy:
     return el.Policy(el.RecentWindow(recent), el.ClusterSketch("kcenter"), budget=budget)
 
 
-def decode_loop(model, policy, steps: int, compile: bool = False, ids=None, mask=None):
-    """``([steps + 1, B, vocab]`` last-token logits of a greedy manual loop, ``run.stats()``, cache)."""
+def decode_loop(model, policy, steps: int, compile: bool = False, ids=None, mask=None, after_step=None):
+    """``([steps + 1, B, vocab]`` last-token logits of a greedy manual loop, ``run.stats()``, cache);
+    ``after_step(step, run, cache)`` is called after every decode step (``step`` from 1)."""
     if ids is None:
         ids, mask = left_padded(LENGTHS)
     logits = []
@@ -43,11 +46,13 @@ def decode_loop(model, policy, steps: int, compile: bool = False, ids=None, mask
         cache = run.new_cache()
         out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         logits.append(out.logits[:, -1])
-        for _ in range(steps):
+        for step in range(1, steps + 1):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
             logits.append(out.logits[:, -1])
+            if after_step is not None:
+                after_step(step, run, cache)
         return torch.stack(logits), run.stats(), cache
 
 
@@ -182,21 +187,104 @@ def test_padded_batch_equals_each_row_alone(policy):
         assert all(layer["sketch_absorbed"] > 0 for layer in stats["layers"])
 
 
-def test_the_sketch_changes_the_output_and_its_memory_does_not_grow():
+def test_the_sketch_changes_the_output_and_absorbs_one_token_a_step():
     model = build("llama")
     without, _, _ = decode_loop(model, el.Policy(el.RecentWindow(), budget=6), steps=10)
     short, short_stats, _ = decode_loop(model, stream(), steps=10)
     long, long_stats, _ = decode_loop(model, stream(), steps=40)
     assert (short - without).abs().max() > 1e-3  # the absorbed tokens reach the output
     torch.testing.assert_close(long[:11], short)
-    assert short_stats["sketch_bytes"] == long_stats["sketch_bytes"] > 0
-    assert short_stats["kv_bytes"] == long_stats["kv_bytes"]
     for s, l in zip(short_stats["layers"], long_stats["layers"], strict=True):
-        assert s["sketch_bytes"] == l["sketch_bytes"] > 0
         assert l["sketch_absorbed"] == s["sketch_absorbed"] + 30  # the longer row absorbed one per step
         assert 0 < s["sketch_clusters"] <= l["sketch_clusters"] <= 16
         assert l["sketch_samples"] <= 16 * 4 + 8
-    assert long_stats["sketch_bytes"] == sum(layer["sketch_bytes"] for layer in long_stats["layers"])
+
+
+# the stream() policy's sizes, and the tiny Llama's
+BUDGET, CLUSTERS, SAMPLES, PAIRS = 6, 16, 4, 8
+FLOAT32, WORD = 4, 8
+
+
+def _held_by_attribute(store) -> dict[str, int]:
+    """Bytes of the tensor storages a layer's slot store really holds, by the store attribute they hang
+    from (``kv``, ``pos``, ``sketch``, ...), measured by walking the store (tests/held_memory.py)."""
+    held: dict[str, int] = {}
+    for where, storage in held_storages(store).items():
+        attribute = where.split(".")[1].split("[")[0]
+        held[attribute] = held.get(attribute, 0) + storage.nbytes()
+    return held
+
+
+def _expected_bytes(batch: int, kv_heads: int, head_dim: int) -> dict[str, int]:
+    """The documented layouts, from the configuration: ``budget + 1`` slots per head of float32 keys and
+    values and int64 positions (compose/store.py); the sketch's buffers (SketchState: representatives
+    ``[M, D]``, cluster samples ``[M, t, D]``, pairs ``[s, D]`` and ``[s, D_v]`` in the cache dtype,
+    counts ``[M]`` int64, active ``[M]`` bool, pair weights ``[s]`` float64, mu / absorbed / overflow one
+    word each); the decode steps' coin table (CoinTable: ``[W, t + s]`` float64 uniforms and an int64
+    base per head, ``W = max(16, drop)`` = 16 tokens)."""
+    heads, slots = batch * kv_heads, BUDGET + 1
+    sketch = heads * (
+        (CLUSTERS * head_dim + CLUSTERS * SAMPLES * head_dim + PAIRS * 2 * head_dim) * FLOAT32
+        + CLUSTERS * WORD + CLUSTERS * 1 + PAIRS * WORD + 3 * WORD
+    )
+    return {
+        "kv": heads * slots * 2 * head_dim * FLOAT32,
+        "pos": heads * slots * WORD,
+        "sketch": sketch,
+        "coins": heads * (COIN_TABLE_TOKENS * (SAMPLES + PAIRS) * WORD + WORD),
+    }
+
+
+def test_the_stream_sketch_memory_is_its_buffers_and_stays_flat():
+    """After 10, 20 and 40 decode steps (24 to 54 tokens absorbed per head): the cache and every layer's
+    slot store hold the same tensor memory, keys/values, positions and sketch in the same buffers (decoding never
+    moves memory), each of the size its documented layout gives, and run.stats() reports those sizes."""
+    model = build("llama")
+    kv_heads, head_dim = kv_geometry(model.config)
+    expected = _expected_bytes(len(LENGTHS), kv_heads, head_dim)
+    snapshots = {}
+
+    def measure(step, run, cache):
+        if step in (10, 20, 40):
+            stores = [layer.store for layer in cache.layers]
+            snapshots[step] = dict(
+                stats=run.stats(),
+                cache=held_bytes(cache),  # everything the cache object reaches, stores included
+                held=[_held_by_attribute(store) for store in stores],
+                addresses=[(storage_addresses(store.kv), storage_addresses(store.sketch)) for store in stores],
+            )
+
+    decode_loop(model, stream(budget=BUDGET), steps=40, after_step=measure)
+    first = snapshots[10]
+    assert len(first["held"]) == model.config.num_hidden_layers
+    for step, snapshot in snapshots.items():
+        stats = snapshot["stats"]
+        for layer, (held, reported) in enumerate(zip(snapshot["held"], stats["layers"], strict=True)):
+            where = (step, layer)
+            assert held["kv"] == reported["kv_bytes"] == expected["kv"], where
+            assert held["pos"] == reported["state_bytes"] == expected["pos"], where  # no per-slot policy state
+            # the sketch buffers, and the salt the store keeps beside them as a 0-d int64 tensor
+            assert held["sketch"] == expected["sketch"] + WORD, where
+            assert held["_coins"] == expected["coins"], where
+            assert reported["sketch_bytes"] == expected["sketch"] + WORD + expected["coins"], where
+            assert held == first["held"][layer], where  # flat: nothing grows with the tokens absorbed
+        assert snapshot["addresses"] == first["addresses"], step  # written in place
+        # the cache holds no tensor memory outside its layers' stores, and none more as decoding goes on
+        assert snapshot["cache"] == sum(sum(held.values()) for held in snapshot["held"]) == first["cache"], step
+        assert stats["kv_bytes"] == sum(layer["kv_bytes"] for layer in stats["layers"])
+        assert stats["sketch_bytes"] == sum(layer["sketch_bytes"] for layer in stats["layers"])
+    assert [layer["sketch_absorbed"] for layer in snapshots[40]["stats"]["layers"]] == [
+        layer["sketch_absorbed"] + 30 for layer in first["stats"]["layers"]
+    ]
+
+
+def test_reported_sketch_bytes_are_every_tensor_the_sketch_holds():
+    """run.stats()['sketch_bytes'] of a layer against the storages its sketch and coin table really hold."""
+    model = build("llama")
+    _, stats, cache = decode_loop(model, stream(budget=BUDGET), steps=3)
+    for layer, reported in zip(cache.layers, stats["layers"], strict=True):
+        held = _held_by_attribute(layer.store)
+        assert reported["sketch_bytes"] == held["sketch"] + held["_coins"]
 
 
 def test_sliding_window_layers_keep_no_sketch():

@@ -17,6 +17,7 @@ from evictlayers.modules.cluster_sketch import (
     merge_with_exact,
     sketch_uniforms,
 )
+from held_memory import held_bytes, storage_addresses
 from reference_cluster_sketch import ReferenceStream, coin, reference_kcenter, salt
 from tiny_models import single_thread  # noqa: F401 (autouse fixture)
 
@@ -187,23 +188,42 @@ def test_error_falls_with_samples_and_meets_the_form_of_theorem_2_4():
     assert means[-1] < means[0] / 4, means
 
 
+def sketch_bytes_formula(batch, heads, dim, value_dim, clusters, samples, pairs, element_size) -> int:
+    """SketchState's documented buffers, per (row, KV head): representatives ``[M, D]``, cluster samples
+    ``[M, t, D]``, pair keys ``[s, D]`` and pair values ``[s, D_v]`` in the cache dtype; counts ``[M]``
+    int64 and active flags ``[M]`` bool; pair weights ``[s]`` float64; mu, absorbed and overflow one
+    8-byte word each. Nothing depends on the number of tokens absorbed (Theorem 2.4: O(d (m t + s)))."""
+    in_dtype = (clusters * dim + clusters * samples * dim + pairs * dim + pairs * value_dim) * element_size
+    per_head = in_dtype + clusters * 8 + clusters * 1 + pairs * 8 + 3 * 8
+    return batch * heads * per_head
+
+
 def test_memory_does_not_grow_with_the_stream():
-    """Theorem 2.4: memory O(d (m t + s)) for (m, delta)-clusterable keys, whatever n."""
+    """The tensors the sketch state really holds (their storages, measured) are the documented buffers
+    and stay the same, written in place, as 200, 1000 and 2000 tokens of an (m, delta)-clusterable
+    stream are absorbed; the reported ``bytes`` is that size."""
     m, dim, value_dim, delta, heads = 3, 4, 4, 1.0, 2
-    sketch = ClusterSketch(radius=delta, samples_per_cluster=4, value_samples=8, max_clusters=4)
-    stats = {}
-    for n in (200, 2000):
-        keys, values = clusterable(n, m, dim, value_dim, delta, heads, seed=n)
-        state = sketch.allocate(1, heads, dim, value_dim, torch.float32)
-        sketch.absorb(state, keys, values, torch.ones(1, heads, n, dtype=torch.bool))
-        stats[n] = sketch.stats(state)
-        assert (stats[n]["absorbed"] == n).all() and (stats[n]["overflow"] == 0).all()
-        assert (stats[n]["clusters_in_use"] == m).all()
-        assert (stats[n]["key_samples_held"] == m * 4).all() and (stats[n]["value_samples_held"] == 8).all()
-    assert stats[200]["bytes"] == stats[2000]["bytes"]
-    # per head: samples (4 x 4 x 4), representatives (4 x 4) and pairs (8 x (4 + 4)) in float32; counts
-    # (4), pair weights (8), mu, absorbed and overflow in 8 bytes; the active flags (4) in 1
-    assert stats[200]["bytes"] == heads * ((4 * 4 * 4 + 4 * 4 + 8 * 8) * 4 + (4 + 8 + 3) * 8 + 4 * 1)
+    clusters, samples, pairs = 4, 4, 8
+    sketch = ClusterSketch(radius=delta, samples_per_cluster=samples, value_samples=pairs, max_clusters=clusters)
+    keys, values = clusterable(2000, m, dim, value_dim, delta, heads, seed=0)
+    state = sketch.allocate(1, heads, dim, value_dim, torch.float32)
+    expected = sketch_bytes_formula(1, heads, dim, value_dim, clusters, samples, pairs, element_size=4)
+    assert held_bytes(state) == expected
+    addresses = storage_addresses(state)
+    absorbed = 0
+    for upto in (200, 1000, 2000):
+        chunk = slice(absorbed, upto)
+        real = torch.ones(1, heads, upto - absorbed, dtype=torch.bool)
+        sketch.absorb(state, keys[:, :, chunk], values[:, :, chunk], real)
+        absorbed = upto
+        stats = sketch.stats(state)
+        assert (stats["absorbed"] == upto).all() and (stats["overflow"] == 0).all()
+        assert (stats["clusters_in_use"] == m).all()
+        assert (stats["key_samples_held"] == m * samples).all() and (stats["value_samples_held"] == pairs).all()
+        assert held_bytes(state) == expected, upto
+        assert storage_addresses(state) == addresses, upto  # the same buffers, written in place
+        assert stats["bytes"] == expected
+        assert held_bytes(sketch) == 0  # the module itself keeps no tensors
 
 
 def test_full_sketch_joins_the_nearest_cluster_and_counts_it():

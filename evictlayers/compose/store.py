@@ -130,7 +130,9 @@ class SlotStore:
             "clusters": int(stats["clusters_in_use"].max()),
             "samples": int((stats["key_samples_held"] + stats["value_samples_held"]).max()),
             "absorbed": int(stats["absorbed"].max()),
-            "bytes": int(stats["bytes"]) + (self._coins.nbytes() if self._coins is not None else 0),
+            # the salt is a 0-d tensor the store adds beside the sketch's buffers (one graph for every layer)
+            "bytes": int(stats["bytes"]) + self.sketch.salt.nbytes
+            + (self._coins.nbytes() if self._coins is not None else 0),
         }
 
     # ---- one step ------------------------------------------------------------------------------
