@@ -1,4 +1,4 @@
-"""``python -m benchmarks.long_stream``: streamed perplexity far past the context window (issue #10).
+"""``python -m benchmarks.long_stream``: streamed perplexity far past the context window.
 
 The embedded model (context 8,192 tokens) reads 5x its window of PG-19 text (the sample books, an equal
 share of each, concatenated) and predicts every next token. Configurations:

@@ -4,7 +4,7 @@ The slot store (``evictlayers.compose.SlotStore``) runs a recipe at a budget of 
 so its ``slots``-slot buffer is full and every step inserts the new token, attends over all slots with
 the per-slot mass, updates the scores and evicts one token: the steady state of a long generation.
 ``el-<recipe>`` is the recipe's eager step, ``el-<recipe>-compiled`` its compiled one: H2O (attention
-mass), and the key-geometry scorers of issue #9 (KeyDiff reads every held key once per step for its
+mass), and the key-geometry scorers (KeyDiff reads every held key once per step for its
 cosines, its anchor updated incrementally; KeyNorm reads one stored norm per slot) and the
 ``tova_keydiff`` split (two scores, one ``kthvalue`` for the first selector's claims), and StreamingLLM
 with absolute and with rolling positions (every held key rotated to its rank at every step). The baseline

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.soak``: 20,000 decode steps under eviction, watched (issue #10).
+"""``python -m benchmarks.soak``: 20,000 decode steps under eviction, watched.
 
 A tiny random Llama (``benchmarks.common.tiny_llama``, batch 2) decodes ``--steps`` sampled tokens
 under each recipe at a fixed budget, with absolute and with rolling positions. Every ``--every``

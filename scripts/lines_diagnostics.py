@@ -1,4 +1,4 @@
-"""Why selectors lose the lines task (issue #9): two measurements on the embedded model.
+"""Why selectors lose the lines task: two measurements on the embedded model.
 
     python scripts/lines_diagnostics.py tova_keydiff --budget 0.5    # ~3 min on one thread
 

@@ -1,4 +1,4 @@
-"""Plain-loop references for the retrieval scorers and selection options (issue #9).
+"""Plain-loop references for the retrieval scorers and selection options.
 
 One head, Python lists, scores recomputed from scratch at every step (no running state): KeyDiff
 (Park et al. 2025: evict the key most similar, by cosine, to the mean normalised key of the cache),

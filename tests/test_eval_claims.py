@@ -101,6 +101,6 @@ def test_report_end_to_end_on_a_tiny_model(partial_recipes, tmp_path):
     # the retrieval section runs every recipe of the directory on both haystacks and lines at 10/20/50%
     for name in ("retrieval_filler.json", "retrieval_prose.json", "retrieval_lines.json"):
         assert (artifacts / name).is_file(), name
-    assert "## Retrieval under a budget (issue #9)" in text
+    assert "## Retrieval under a budget" in text
     assert "| h2o_averaged |" in text.split("## Retrieval under a budget")[1].split("Best recipe")[0]
     assert "QUICK MODE" in text

@@ -1,4 +1,4 @@
-"""A failure inside a policy component (issue #10): the error names the layer and the component, and
+"""A failure inside a policy component: the error names the layer and the component, and
 leaving ``el.apply`` restores the model whatever happened inside."""
 
 import pytest

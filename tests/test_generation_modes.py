@@ -1,4 +1,4 @@
-"""Every ``generate()`` mode under ``el.apply`` (issue #10): with nothing evicted each equals the
+"""Every ``generate()`` mode under ``el.apply``: with nothing evicted each equals the
 unmodified model; under eviction, beam search's reordering is checked against stores fed the chosen
 rows from scratch; modes that need to roll the cache back fail with a clear error."""
 

@@ -1,4 +1,4 @@
-"""The long-run benchmark entries of issue #10 in their small modes: ``benchmarks.long_stream --quick``
+"""The long-run benchmark entries in their small modes: ``benchmarks.long_stream --quick``
 (5 context windows of a tiny random Llama whose context is 128) and ``benchmarks.soak`` (a few hundred
 steps). Each writes its files and reports a bounded cache; the KV bytes are checked against the formula
 ``layers * 2 * H_kv * slots * head_dim * 4`` (float32)."""

@@ -1,4 +1,4 @@
-"""``evictlayers needles`` (issue #9): the pass key's token span, the per-head count of its tokens a
+"""``evictlayers needles``: the pass key's token span, the per-head count of its tokens a
 cache holds, and the summary, checked against a character tokenizer, a recent window whose kept
 positions follow from the budget, and hand-counted records."""
 

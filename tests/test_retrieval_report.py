@@ -1,4 +1,4 @@
-"""The retrieval section: best recipe per task and budget, the issue #9 target check, and merging a
+"""The retrieval section: best recipe per task and budget, the target check, and merging a
 partial re-run into saved results, from hand-made numbers."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Rolling positions (issue #10, H2O Sec. 5.3 Q1): keys held un-rotated and re-rotated to their rank in
+"""Rolling positions (H2O Sec. 5.3 Q1): keys held un-rotated and re-rotated to their rank in
 the cache. Checked against the unmodified model with nothing evicted (every RoPE family, rope scaling,
 partial rotary, left padding, compiled), against a plain-loop reference of StreamingLLM's position
 assignment with eviction, and on a tiny trained model streamed 10x past its context window."""

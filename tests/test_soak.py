@@ -1,4 +1,4 @@
-"""Soak (issue #10, slow): 20,000 decode steps of a tiny model under eviction. Memory stays flat after
+"""Soak (slow): 20,000 decode steps of a tiny model under eviction. Memory stays flat after
 warm-up, no logit is NaN, and every layer holds at most its budget throughout."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Random call sequences on a model-free slot store (hypothesis; issue #10): prefill chunks, decode
+"""Random call sequences on a model-free slot store (hypothesis): prefill chunks, decode
 steps, beam reorders and resets, with random padding and budgets, through the transformers cache layer.
 
 After every call: each head holds at most its budget; positions are unique per head and in the past;

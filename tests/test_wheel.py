@@ -1,4 +1,4 @@
-"""The built wheel carries the recipes (issue #10): installed outside the repository, a recipe loads by
+"""The built wheel carries the recipes: installed outside the repository, a recipe loads by
 name and the CLI finds it."""
 
 from __future__ import annotations

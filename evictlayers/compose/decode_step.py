@@ -193,8 +193,8 @@ def compiled_decode_step() -> Callable:
     if _COMPILED is None:
         # every policy structure (accumulator, prior, storage, sketch, drop path, positions) and every
         # batch/slot shape class is a graph of this one function; a process that runs many policies (an
-        # evaluation, the benchmarks) passes dynamo's default of 8, where fullgraph=True fails hard, and
-        # the overhead benchmark's nine configurations over three slot counts and two batch sizes passed 64
+        # evaluation, the benchmarks) passes dynamo's default of 8, where fullgraph=True fails hard; the
+        # overhead benchmark alone (nine configurations, three slot counts, two batch sizes) needs more than 64
         torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
         _COMPILED = torch.compile(decode_step, fullgraph=True, dynamic=None, options={"emulate_precision_casts": True})
     return _COMPILED

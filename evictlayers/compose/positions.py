@@ -80,7 +80,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     half = width // 2
     first, second = x[..., :half], x[..., half:width]
     # written out per half (the same products and sums, so the same values): no negated copy of x and
-    # no full-width temporaries, measured 1.8x faster compiled at 8 x 3 x 8,192 keys
+    # no full-width temporaries: compiled at 8 x 3 x 8,192 keys it measured 1.8x faster than
+    # x * cos + rotate_half(x) * sin
     turned = torch.cat(
         (first * cos[..., :half] - second * sin[..., :half], second * cos[..., half:] + first * sin[..., half:]), dim=-1
     )

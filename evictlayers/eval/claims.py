@@ -88,7 +88,7 @@ EXPERIMENTS: tuple[Experiment, ...] = (
         quick_options={"n_prompts": 2, "n_lines": 3},
         batch_size=8,
     ),
-    # issue #9's retrieval section: every shipped recipe, two haystacks and lines, three budgets
+    # the retrieval section: every shipped recipe, two haystacks and lines, three budgets
     Experiment(
         key="retrieval_filler",
         task="passkey",

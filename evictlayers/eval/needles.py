@@ -1,4 +1,4 @@
-"""Per-head needle dumps: which layers and KV heads still hold the passkey after the prompt (issue #9).
+"""Per-head needle dumps: which layers and KV heads still hold the passkey after the prompt.
 
 For each recipe and passkey prompt, the prompt is prefilled under the recipe (batch 1), and every
 layer's slot store is read: for each KV head, how many of the key's tokens (the digits of the pass

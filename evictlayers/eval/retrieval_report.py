@@ -1,4 +1,4 @@
-"""The ``retrieval`` section of docs/results.md (issue #9): every shipped recipe on passkey (filler and
+"""The ``retrieval`` section of docs/results.md: every shipped recipe on passkey (filler and
 prose haystacks) and lines at 10%, 20% and 50%, beside its streamed perplexity, with the best recipe per
 task and budget and the target check, all computed from the saved runs."""
 
@@ -73,7 +73,7 @@ def best_per_task(results: dict) -> list[str]:
 
 
 def target_check(results: dict) -> tuple[list[str], list[str]]:
-    """``(recipes meeting issue #9's target, one line per recipe that meets the passkey part)``: >= 7/8
+    """``(recipes meeting the retrieval target, one line per recipe that meets the passkey part)``: >= 7/8
     passkey at 20% on both haystacks, lines at 50% within one record of the full cache, streamed
     perplexity at 20% within 5% of the full cache's."""
     met, notes = [], []
@@ -132,7 +132,7 @@ def retrieval_section(results: dict, needles: Sequence[dict] = ()) -> list[str]:
         return []
     budgets = _budgets(results)
     head = ["recipe"] + [f"{title} {b:.0%}" for _, title in TASKS for b in budgets] + ["streamed ppl 20% vs full"]
-    out = ["## Retrieval under a budget (issue #9)", ""]
+    out = ["## Retrieval under a budget", ""]
     settings = {key: results[key]["settings"] for key, _ in TASKS if key in results}
     if "retrieval_filler" in settings:
         s = settings["retrieval_filler"]
@@ -151,7 +151,7 @@ def retrieval_section(results: dict, needles: Sequence[dict] = ()) -> list[str]:
         out.append("| " + " | ".join(cells) + " |")
     out += ["", "Best recipe per task and budget (most correct answers; ties named):", "", *best_per_task(results), ""]
     met, notes = target_check(results)
-    out.append("Target (issue #9): >= 7/8 passkey at 20% on both haystacks, lines at 50% within 1/16 of the full "
+    out.append("Target: >= 7/8 passkey at 20% on both haystacks, lines at 50% within 1/16 of the full "
                "cache, streamed perplexity at 20% within 5% of full. "
                + (f"Met by {', '.join(f'`{m}`' for m in met)}." if met else "No recipe meets all three."))
     out += ["", *(notes or ["- no recipe reaches 7/8 passkey at 20% on both haystacks; " + best_passkey(results)]), ""]

@@ -9,7 +9,7 @@ generates is the key (:func:`score_passkey`). Everything is generated here from 
 at run time from the data directory, never stored): each prompt takes a slice of a different book at a
 seeded offset, and the key sentence goes between two sentences at the requested depth. Repeated filler
 makes the key sentence the odd one out by its keys; in prose every sentence is different, so a scorer
-must find the key by what the question attends to (issue #9: no single kvpress press holds on both).
+must find the key by what the question attends to (no single kvpress press holds on both).
 With SmolLM2-135M-Instruct and a full cache (8 prompts of ~1,300 tokens, seed 0), the raw format finds
 3/8 prose keys and the chat format 6/8, so the retrieval experiment asks prose in the chat format.
 
