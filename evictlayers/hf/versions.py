@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import warnings
 
-import transformers
 from packaging.version import InvalidVersion, Version
 
 TESTED_LOWEST = (5, 14)  # the lowest tested minor (CI's compat job runs 5.14.1)
@@ -60,7 +59,12 @@ def check_transformers_version(version: str | None = None) -> None:
         UserWarning: once per process, the first time the installed transformers is above ``TESTED_HIGHEST``.
     """
     global _warned
-    version = transformers.__version__ if version is None else version
+    if version is None:
+        # the module as sys.modules holds it now: transformers' lazy module can be swapped in after
+        # this module was imported
+        import transformers as installed
+
+        version = installed.__version__
     minor = _minor(version)
     if minor < TESTED_LOWEST:
         raise UnsupportedTransformersError(
