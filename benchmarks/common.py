@@ -257,15 +257,11 @@ def recipe(name: str, budget: int | float | None = ..., **changes):
     """The shipped recipe ``<name>`` as a Policy, optionally with another budget and other recipe keys
     (``positions="rolling"``), everything else equal."""
     from evictlayers import load_recipe
-    from evictlayers.compose.recipes import policy_from_dict, policy_to_dict
 
     policy = load_recipe(RECIPES / f"{name}.yaml")
     if budget is not ...:
         changes = {"budget": budget, **changes}
-    if not changes:
-        return policy
-    described = ", ".join(f"{key}={value}" for key, value in changes.items())
-    return policy_from_dict({**policy_to_dict(policy), **changes}, source=f"{name}.yaml with {described}")
+    return policy.replace(**changes) if changes else policy
 
 
 # ---- time estimate -----------------------------------------------------------------------------

@@ -231,11 +231,11 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
     import evictlayers as el
     from evictlayers.compose import RecipeError
-    from evictlayers.eval.runner import resolve_recipe, with_budget
+    from evictlayers.eval.runner import resolve_recipe
 
     try:
         spec = resolve_recipe(args.recipe)
-        policy = spec.policy if args.budget is None else with_budget(spec.policy, args.budget)
+        policy = spec.policy if args.budget is None else spec.policy.replace(budget=args.budget)
     except (FileNotFoundError, RecipeError, ValueError, TypeError) as error:
         parser.error(str(error))
     if args.threads:

@@ -21,7 +21,6 @@ import torch
 
 import evictlayers as el
 from evictlayers.eval.needles import held_key_tokens
-from evictlayers.eval.runner import with_budget
 from evictlayers.eval.tasks.lines import LINE_PATTERN, lines_prompts
 from evictlayers.models import load_default
 
@@ -72,7 +71,7 @@ def main() -> None:
     torch.set_num_threads(1)
     model, tokenizer = load_default()
     model.set_attn_implementation("eager")  # the oracle's 4D float mask
-    policy = with_budget(el.load_recipe(args.recipe), args.budget)
+    policy = el.load_recipe(args.recipe).replace(budget=args.budget)
     subsets = ("all", "no instruction", "asked line +-1")
     print(f"| depth | asked line held ({args.recipe} {args.budget:.0%}) | other lines held | "
           + " | ".join(f"answers seeing {s}" for s in subsets) + " |")

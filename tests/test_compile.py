@@ -15,7 +15,6 @@ from torch._dynamo.utils import counters
 
 import evictlayers as el
 from evictlayers.compose.store import CompileError
-from evictlayers.eval.suite import rebudget
 from evictlayers.scoring import Cumulative
 from tiny_models import build, left_padded, single_thread  # noqa: F401
 
@@ -84,7 +83,7 @@ def test_shipped_recipes_compile_without_recompiles(recipe):
     model = build("llama")
     policy = el.load_recipe(recipe)
     if policy.budget is not None:  # 20% of a 13-token prompt cannot hold ahakv's RecentWindow(32)
-        policy = rebudget(policy, 40)
+        policy = policy.replace(budget=40)
     eager, _ = decode_logits(model, policy, compile=False, steps=100)
     torch._dynamo.reset()
     counters.clear()

@@ -16,7 +16,7 @@ import torch
 import evictlayers as el
 from evictlayers.eval.module import PolicyEvaluator, merge_records, run_test
 from evictlayers.eval.runner import evaluate, expand_budgets, inline_spec, resolve_recipe
-from evictlayers.eval.suite import make_task, rebudget
+from evictlayers.eval.suite import make_task
 from test_eval_helpers import char_tokenizer, teacher_forced_perplexity, tiny_llama, tiny_mistral
 from tiny_models import single_thread  # noqa: F401
 
@@ -188,7 +188,7 @@ def test_histogram_counts_equal_retained_slots(model, tok, books):
     doc_tokens, budget = 41, 12  # 40 tokens streamed
     layers, kv_heads = model.config.num_hidden_layers, model.config.num_key_value_heads
     task = make_task("perplexity", tok, data=books, n_docs=2, doc_tokens=doc_tokens, n_bins=8)
-    policies = {"full": FULL, "h2o": rebudget(H2O, budget), "local": el.Policy(el.RecentWindow(), budget=budget)}
+    policies = {"full": FULL, "h2o": H2O.replace(budget=budget), "local": el.Policy(el.RecentWindow(), budget=budget)}
     summaries, records = _evaluate(model, task, policies, batch_size=2)
     n = doc_tokens - 1
     for record in records["h2o"] + records["local"]:
@@ -242,13 +242,24 @@ def test_ddp_on_two_processes_equals_one_process(model, tok, books):
 # ---- runner -------------------------------------------------------------------------------------
 
 
-def test_rebudget_keeps_everything_but_the_budget():
+def test_replace_keeps_everything_but_the_changed_keys():
     scissorhands = resolve_recipe("scissorhands").policy
-    new = rebudget(scissorhands, 0.5)
-    assert new.budget == 0.5
+    new = scissorhands.replace(budget=0.5)
+    assert new.budget == 0.5 and scissorhands.budget == 0.2  # a new policy; the original is unchanged
     assert new.modules_in_order == scissorhands.modules_in_order
-    assert (new.drop, new.allocation, new.gqa_reduce) == (scissorhands.drop, scissorhands.allocation,
-                                                          scissorhands.gqa_reduce)
+    assert (new.drop, new.allocation, new.gqa_reduce, new.storage, new.positions) == (
+        scissorhands.drop, scissorhands.allocation, scissorhands.gqa_reduce, scissorhands.storage, scissorhands.positions
+    )
+    rolling = scissorhands.replace(budget=64, positions="rolling")
+    assert (rolling.budget, rolling.positions, rolling.drop) == (64, "rolling", 0.5)
+
+
+def test_replace_refuses_unknown_keys_and_bad_values_naming_the_change():
+    h2o = resolve_recipe("h2o").policy
+    with pytest.raises(el.RecipeError, match=r"(?s)Policy.replace\(budgets=0.5\).*budgets: unknown key"):
+        h2o.replace(budgets=0.5)
+    with pytest.raises((el.RecipeError, ValueError), match="positions"):
+        h2o.replace(positions="sideways")
 
 
 def test_budget_that_cannot_hold_the_protections_is_refused():

@@ -12,7 +12,6 @@ import torch
 
 import evictlayers as el
 from evictlayers import models
-from evictlayers.eval.runner import with_budget
 from evictlayers.eval.tasks.documents import default_data_dir, document_windows, read_texts
 
 LENGTHS = (600, 420)  # prompt tokens per row: the first crosses the 512-token window, the second is padded
@@ -23,7 +22,7 @@ TOL = {"rtol": 1e-4, "atol": 1e-4}
 
 def h2o(budget: int) -> el.Policy:
     """The ``h2o`` recipe (half recent tokens, half heavy hitters) with ``budget`` tokens per head."""
-    return with_budget(el.load_recipe("h2o"), budget)
+    return el.load_recipe("h2o").replace(budget=budget)
 
 
 @pytest.fixture(scope="module")

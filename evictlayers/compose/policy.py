@@ -217,6 +217,20 @@ class Policy(nn.Module):
 
     __hash__ = nn.Module.__hash__
 
+    def replace(self, **changes: Any) -> Policy:
+        """A new policy equal to this one but for ``changes``, given as recipe keys (``budget=0.5``,
+        ``drop=0.5``, ``positions="rolling"``, ``modules=[...]``): it goes through the recipe mapping, so
+        every setting the recipe format knows survives and the result is validated like a loaded recipe.
+
+        Raises:
+            RecipeError: a key is unknown or a value is invalid (every problem, naming the changes).
+            ValueError: the changed policy is inconsistent (e.g. its protected slots do not fit the budget).
+        """
+        from evictlayers.compose.recipes import policy_from_dict, policy_to_dict  # recipes builds Policy objects
+
+        described = ", ".join(f"{key}={value!r}" for key, value in changes.items())
+        return policy_from_dict({**policy_to_dict(self), **changes}, source=f"Policy.replace({described})")
+
     def extra_repr(self) -> str:
         rolling = ", positions='rolling'" if self.positions == "rolling" else ""
         return f"{_describe_budget(self.budget)}, drop={self.drop!r}, gqa_reduce={self.gqa_reduce!r}{rolling}"

@@ -210,10 +210,8 @@ def _fits(spec: PolicySpec, budget: float, shortest: int | None, num_layers: int
         return True
     import torch
 
-    from evictlayers.eval.runner import with_budget
-
     try:
-        policy = with_budget(spec.policy, budget)
+        policy = spec.policy.replace(budget=budget)
         for layer in range(num_layers):
             policy.resolve_budget(torch.tensor([shortest]), layer, num_layers)
     except (TypeError, ValueError) as error:

@@ -153,7 +153,7 @@ def run_needles(
     chat: bool = True, length: int = 1000, depths: int = 8, seed: int = 0, data=None, command: str = "",
 ) -> dict:
     """Dump every recipe (shipped name or YAML path) at ``budget`` over the passkey prompts."""
-    from evictlayers.eval.runner import resolve_recipe, with_budget
+    from evictlayers.eval.runner import resolve_recipe
     from evictlayers.eval.suite import PasskeyTask
 
     task = PasskeyTask(tokenizer, lengths=[length], depths=depths, seed=seed, haystack=haystack, chat=chat, data=data)
@@ -161,7 +161,7 @@ def run_needles(
     records, summary = {}, {}
     for recipe in recipes:
         spec = resolve_recipe(recipe)
-        policy = spec.policy if spec.is_full else with_budget(spec.policy, budget)
+        policy = spec.policy if spec.is_full else spec.policy.replace(budget=budget)
         records[spec.name] = [dump_prompt(model, tokenizer, policy, row) for row in rows]
         summary[spec.name] = summarize(records[spec.name])
     return {

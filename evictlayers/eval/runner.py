@@ -26,7 +26,6 @@ __all__ = [
     "parse_budget",
     "recipes_dir",
     "resolve_recipe",
-    "with_budget",
 ]
 
 RECIPES_ENV = "EVICTLAYERS_RECIPES"
@@ -127,13 +126,6 @@ def budget_label(budget: int | float | None) -> str:
     return "full" if budget is None else (str(budget) if isinstance(budget, int) else f"{budget:g}")
 
 
-def with_budget(policy: Policy, budget: int | float | None) -> Policy:
-    """``policy`` with another budget, everything else equal (see ``suite.rebudget``)."""
-    from evictlayers.eval.suite import rebudget
-
-    return rebudget(policy, budget)
-
-
 def expand_budgets(
     specs: Sequence[PolicySpec], budgets: Sequence[int | float | None] | None
 ) -> list[tuple[str, PolicySpec, int | float | None, Policy]]:
@@ -154,7 +146,7 @@ def expand_budgets(
             continue
         for budget in budgets if budgets else [spec.policy.budget]:
             try:
-                policy = with_budget(spec.policy, budget)
+                policy = spec.policy.replace(budget=budget)
             except (TypeError, ValueError) as error:
                 raise ValueError(
                     f"recipe {spec.name!r} ({spec.source}) cannot run at budget {budget_label(budget)}: {error}"

@@ -42,22 +42,8 @@ from evictlayers.eval.tasks.lines import lines_prompts, parse_record, score_line
 from evictlayers.eval.tasks.passkey import HAYSTACKS, passkey_grid, score_passkey
 
 __all__ = [
-    "TASKS", "AgreementTask", "EvalTask", "LinesTask", "PasskeyTask", "PerplexityTask", "make_task", "rebudget",
+    "TASKS", "AgreementTask", "EvalTask", "LinesTask", "PasskeyTask", "PerplexityTask", "make_task",
 ]
-
-
-def rebudget(policy: el.Policy, budget: int | float | None) -> el.Policy:
-    """``policy`` with another budget and everything else equal, via its recipe mapping (so every
-    policy setting the recipe format knows survives: modules, drop amount, allocation, GQA reduction).
-
-    Raises:
-        ValueError: the policy cannot take that budget (e.g. its protected slots do not fit).
-    """
-    from evictlayers.compose.recipes import policy_from_dict, policy_to_dict
-
-    data = policy_to_dict(policy)
-    data["budget"] = budget
-    return policy_from_dict(data, source=f"budget={budget}")
 
 
 class EvalTask:
@@ -368,7 +354,7 @@ class PerplexityTask(EvalTask):
         """``policy`` with a ``float`` budget turned into ``round(budget * tokens)`` tokens per head."""
         if not isinstance(policy.budget, float):
             return policy
-        return rebudget(policy, max(1, math.floor(policy.budget * tokens + 0.5)))
+        return policy.replace(budget=max(1, math.floor(policy.budget * tokens + 0.5)))
 
     def prepare(self, model, batch: dict):
         if not self.agreement:
