@@ -13,7 +13,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from evictlayers.compose.positions import rotate_at, rotate_queries
-from evictlayers.hf.support import UnsupportedModelError
+from evictlayers.hf.support import REFUSED_KEYWORDS, UnsupportedModelError, original_class
 from evictlayers.kernels import prefill_attention
 from evictlayers.kernels.attention_sinks import apply_attention_sinks
 
@@ -46,7 +46,7 @@ def evicting_attention(
         )
     if dropout and module.training:
         raise ValueError("evictlayers runs inference only: attention dropout is not supported (call model.eval())")
-    _refuse_unserved(module, kwargs, run.support.model_type)
+    _refuse_unserved(run, module, kwargs)
     if run.recording:
         # the rolling probe: each layer's queries and keys are recorded and its output is zero, so what
         # the next layer receives does not depend on positions and every layer can be checked alone
@@ -56,9 +56,9 @@ def evicting_attention(
         scaling = query.shape[-1] ** -0.5
     if softcap is not None and run.replaced_implementation == "sdpa":
         raise UnsupportedModelError(
-            f"model_type={run.support.model_type!r}, {_class_name(module)} (layer {module.layer_idx}) soft-caps its "
-            "attention logits, which transformers' sdpa attention does not apply (older releases ignore it): the "
-            "unmodified model is not defined; load the model with attn_implementation='eager'"
+            f"{_where(run, module)} soft-caps its attention logits, which transformers' sdpa attention does not "
+            "apply (older releases ignore it): the unmodified model is not defined; load the model with "
+            "attn_implementation='eager'"
         )
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # learned sinks: GPT-OSS's s_aux, others' sinks
     options = {"scaling": scaling, "softcap": softcap, "sliding_window": sliding_window}
@@ -69,10 +69,9 @@ def evicting_attention(
             # the slot store attends over the keys the cache received; a model that changes them after
             # cache.update (repeats them per expert, re-projects them) would be served other keys
             raise UnsupportedModelError(
-                f"model_type={run.support.model_type!r}, {_class_name(module)} (layer {module.layer_idx}) changes its "
-                "keys or values between the cache update and the attention call (MLA models cache a compressed "
-                "latent and expand it into keys afterwards), so the keys evictlayers holds are not the ones it "
-                "attends over"
+                f"{_where(run, module)} changes its keys or values between the cache update and the attention "
+                "call (MLA models cache a compressed latent and expand it into keys afterwards), so the keys "
+                "evictlayers holds are not the ones it attends over"
             )
         out = layer.attend(query, run.real_tokens(layer.store.seq_len, query.shape[2]), **options, sinks=sinks)
     else:
@@ -93,30 +92,32 @@ def evicting_attention(
     return out.transpose(1, 2).contiguous(), None
 
 
-def _refuse_unserved(module: torch.nn.Module, kwargs: dict, model_type: str) -> None:
+def _refuse_unserved(run, module: torch.nn.Module, kwargs: dict) -> None:
     """Arguments of this call that would change the result and that evictlayers does not implement
     (``model_support`` refuses the models whose attention passes them; this catches them per call)."""
-    where = f"model_type={model_type!r}, {_class_name(module)} (layer {module.layer_idx})"
     if kwargs.get("is_causal") is False:
-        raise UnsupportedModelError(f"{where}: the attention call is not causal (is_causal=False)")
+        raise UnsupportedModelError(f"{_where(run, module)}: the attention call is not causal (is_causal=False)")
     if kwargs.get("output_attentions"):
         raise UnsupportedModelError(
-            f"{where}: output_attentions=True asks for the attention weights over the whole sequence, which an "
-            "eviction cache does not hold; run without output_attentions"
+            f"{_where(run, module)}: output_attentions=True asks for the attention weights over the whole "
+            "sequence, which an eviction cache does not hold; run without output_attentions"
         )
     packed = [name for name in ("cu_seq_lens_q", "cu_seq_lens_k") if kwargs.get(name) is not None]
     if packed:
-        raise UnsupportedModelError(f"{where}: packed sequences ({', '.join(packed)}) are not supported; pad instead")
-    for name in _REFUSED_KEYWORDS:
+        raise UnsupportedModelError(
+            f"{_where(run, module)}: packed sequences ({', '.join(packed)}) are not supported; pad instead"
+        )
+    for name, meaning in REFUSED_KEYWORDS.items():
         if kwargs.get(name) is not None:
-            raise UnsupportedModelError(f"{where}: the attention call passes {name}=, which evictlayers does not implement")
+            raise UnsupportedModelError(
+                f"{_where(run, module)}: the attention call passes {name}= ({meaning}), which evictlayers does "
+                "not implement"
+            )
 
 
-def _class_name(module: torch.nn.Module) -> str:
-    return getattr(module, "_evictlayers_original_class", type(module)).__name__
-
-
-_REFUSED_KEYWORDS = ("indices", "block_indices", "position_bias")
+def _where(run, module: torch.nn.Module) -> str:
+    """``model_type=..., <Class> (layer i)``: where a refusal at run time happened."""
+    return f"model_type={run.support.model_type!r}, {original_class(module).__name__} (layer {module.layer_idx})"
 
 
 def register() -> None:

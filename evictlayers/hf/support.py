@@ -4,8 +4,8 @@ No list of model types: a model is served when it is decoder-only, keeps a per-t
 that transformers builds from its config (``DynamicCache(config=...)``), and every attention layer of
 that cache is computed by one module that calls transformers' attention interface with a
 ``layer_idx``. Whatever that call passes which changes the result is honoured (scaling, soft-capping,
-sliding windows, learned attention sinks, key and value head dims that differ) or the model is refused here, at ``apply`` time,
-naming the model type, the layer and the reason: never silent full attention.
+sliding windows, learned attention sinks, key and value head dims that differ) or the model is refused
+here, at ``apply`` time, naming the model type, the layer and the reason: never silent full attention.
 
 Recurrent and linear-attention layers of hybrid models (Mamba, gated delta nets, short convolutions)
 keep their state in the model's own cache layer objects, which the eviction cache carries untouched.
@@ -41,8 +41,9 @@ HONOURED_KEYWORDS = {
     "output_attentions", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
     "s_aux", "sinks",  # learned attention sinks: kernels/attention_sinks.py
 }
-# what the others mean, for the refusal message
-_KEYWORD_MEANING = {
+# keywords that change the result and that evictlayers does not implement, with what they mean (refused
+# when a model's attention call passes them: at apply time from its source, per call at run time)
+REFUSED_KEYWORDS = {
     "indices": "sparse attention over indexer-selected keys",
     "block_indices": "block-sparse attention",
     "position_bias": "an additive position bias on the logits",
@@ -96,6 +97,11 @@ class ModelSupport:
         return next((layer.recurrent_states for layer in self.attention if layer.index == layer_idx), None)
 
 
+def original_class(module: nn.Module) -> type:
+    """The class ``module`` had before ``evictlayers.apply`` swapped in its ``Evicting<Class>``."""
+    return getattr(module, "_evictlayers_original_class", type(module))
+
+
 def _where(model: nn.Module) -> str:
     config = getattr(model, "config", None)
     return f"{type(model).__name__} (model_type={getattr(config, 'model_type', None)!r})"
@@ -140,7 +146,7 @@ def model_support(model: nn.Module) -> ModelSupport:
     layer_types, layer_kwargs = _layer_types(text_config, where)
     indexed = _indexed_modules(model)
     candidates = {
-        index: [m for m in modules if _calls_interface(getattr(m, "_evictlayers_original_class", type(m)))]
+        index: [m for m in modules if _calls_interface(original_class(m))]
         for index, modules in indexed.items()
     }
     candidates = {index: modules for index, modules in candidates.items() if modules}
@@ -178,7 +184,8 @@ def model_support(model: nn.Module) -> ModelSupport:
     stray = sorted(set(candidates) - set(range(len(layer_types))))
     if stray:
         raise UnsupportedModelError(
-            f"{where}: attention modules with layer_idx {stray} fall outside the model's {len(layer_types)} cache layers"
+            f"{where}: attention modules with layer_idx {stray} fall outside the model's {len(layer_types)} "
+            "cache layers"
         )
     if not attention:
         raise UnsupportedModelError(f"{where} has no attention layer to evict from")
@@ -192,7 +199,8 @@ def _layer_types(text_config, where: str) -> tuple[list[str], list[dict]]:
     for kind, kwargs in zip(layer_types, layer_kwargs):
         if kind == "sliding_attention" and not isinstance(kwargs.get("sliding_window"), int):
             raise UnsupportedModelError(
-                f"{where}: a sliding-window layer has sliding_window={kwargs.get('sliding_window')!r}, not a token count"
+                f"{where}: a sliding-window layer has sliding_window={kwargs.get('sliding_window')!r}, not a "
+                "token count"
             )
     return list(layer_types), list(layer_kwargs)
 
@@ -237,7 +245,8 @@ def _indexed_modules(model: nn.Module) -> dict[int, list[nn.Module]]:
 def _check_call(module: nn.Module, where: str, index: int) -> None:
     """Refuse cross-attention, non-causal attention, and an attention call that passes a keyword
     evictlayers does not honour."""
-    name = getattr(module, "_evictlayers_original_class", type(module)).__name__
+    cls = original_class(module)
+    name = cls.__name__
     if "CrossAttention" in name or getattr(module, "is_cross_attention", False):
         raise UnsupportedModelError(
             f"{where}, layer {index}: {name} is a cross-attention layer (its keys come from another input, not "
@@ -245,10 +254,9 @@ def _check_call(module: nn.Module, where: str, index: int) -> None:
         )
     if getattr(module, "is_causal", True) is False:
         raise UnsupportedModelError(
-            f"{where}, layer {index}: {type(module).__name__} attends bidirectionally (is_causal=False); "
+            f"{where}, layer {index}: {name} attends bidirectionally (is_causal=False); "
             "evictlayers serves causal attention"
         )
-    cls = getattr(module, "_evictlayers_original_class", type(module))
     source = _forward_source(cls)
     tree = ast.parse(source) if source else None
     calls = [
@@ -264,7 +272,7 @@ def _check_call(module: nn.Module, where: str, index: int) -> None:
         for keyword in node.keywords:
             if keyword.arg is None or keyword.arg in HONOURED_KEYWORDS:
                 continue
-            meaning = _KEYWORD_MEANING.get(keyword.arg, "an argument evictlayers' attention does not implement")
+            meaning = REFUSED_KEYWORDS.get(keyword.arg, "an argument evictlayers' attention does not implement")
             raise UnsupportedModelError(
                 f"{where}, layer {index}: {cls.__name__} passes {keyword.arg}= to the attention function: "
                 f"{meaning}; evictlayers refuses rather than silently ignore it"
