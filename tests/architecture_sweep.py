@@ -103,7 +103,7 @@ def _shrunk_kwargs(config: PretrainedConfig) -> dict:
             kwargs[name] = {"pad_token_id": PAD, "bos_token_id": 1, "eos_token_id": 2}[name]
     # per-layer lists sized for the default depth are cut to the shrunk depth, keeping one layer of each
     # kind (a hybrid's first layers may all be recurrent)
-    for name in fields:
+    for name in sorted(fields):
         value = getattr(config, name, None)
         if isinstance(value, list) and len(value) == getattr(config, "num_hidden_layers", -1) and name not in kwargs:
             kwargs[name] = _keep_each_kind(value)
@@ -116,7 +116,7 @@ def _shrunk_kwargs(config: PretrainedConfig) -> dict:
     if kinds and set(kinds) <= recurrent:
         kwargs["layer_types"] = [kind if index % 2 == 0 else "full_attention" for index, kind in enumerate(kinds)]
     # sub-configs (text/vision/audio parts of multimodal types) are shrunk the same way
-    for name in fields:
+    for name in sorted(fields):
         value = getattr(config, name, None)
         if isinstance(value, PretrainedConfig):
             kwargs[name] = type(value)(**_shrunk_kwargs(value))
