@@ -21,8 +21,7 @@ from evictlayers.compose.policy import Policy
 from evictlayers.compose.positions import rotate_at, rotate_queries, slot_ranks
 from evictlayers.modules.cluster_sketch import CoinTable, SketchState, merge_with_exact
 from evictlayers.modules.dense_kv import batch_head_index
-from evictlayers.kernels.attention_sinks import apply_attention_sinks
-from evictlayers.kernels.dispatch import decode_attention
+from evictlayers.kernels import apply_attention_sinks, decode_attention
 from evictlayers.scoring import Observation, SlotView
 
 _OLDEST_LAST = torch.iinfo(torch.long).max

@@ -13,8 +13,7 @@ import torch
 from evictlayers.compose.decode_step import along_slots, compiled_decode_step, decode_step
 from evictlayers.compose.policy import Policy
 from evictlayers.compose.positions import RotaryTable, rotate_at, rotate_queries, slot_ranks
-from evictlayers.kernels.attention_sinks import apply_attention_sinks
-from evictlayers.kernels.dispatch import prefill_attention
+from evictlayers.kernels import apply_attention_sinks, prefill_attention
 from evictlayers.modules.cluster_sketch import CoinTable, SketchState, merge_with_exact
 from evictlayers.scoring import Component, Observation, SlotView
 

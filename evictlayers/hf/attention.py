@@ -14,8 +14,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from evictlayers.compose.positions import rotate_at, rotate_queries
 from evictlayers.hf.support import REFUSED_KEYWORDS, UnsupportedModelError, original_class
-from evictlayers.kernels import prefill_attention
-from evictlayers.kernels.attention_sinks import apply_attention_sinks
+from evictlayers.kernels import apply_attention_sinks, prefill_attention
 
 ATTENTION_NAME = "evictlayers"
 
