@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from evictlayers.eval import claims
+from evictlayers.eval.claims.saved import merge_runs
 from evictlayers.eval.retrieval_report import best_per_task, retrieval_section, target_check
 
 
@@ -67,12 +67,12 @@ def test_merge_replaces_runs_of_the_same_label_and_records_when():
     old = {"task": "agreement", "settings": {"n": 1}, "budgets": [0.2], "runs": [_run("full", None), _run("h2o", 0.2)]}
     new = {"task": "agreement", "settings": {"n": 1}, "budgets": [0.2], "runs": [_run("h2o", 0.2, perplexity=1.0),
                                                                                  _run("tova", 0.2)]}
-    merged = claims._merge(old, new, "today")
+    merged = merge_runs(old, new, "today")
     assert [r["label"] for r in merged["runs"]] == ["full", "h2o@0.2", "tova@0.2"]
     assert merged["runs"][1]["perplexity"] == 1.0
     assert merged["measured"][-1] == {"date": "today", "labels": ["h2o@0.2", "tova@0.2"]}
     with pytest.raises(ValueError, match="different settings"):
-        claims._merge(old, {**new, "settings": {"n": 2}}, "today")
+        merge_runs(old, {**new, "settings": {"n": 2}}, "today")
 
 
 def test_needle_dumps_close_the_section(results):
