@@ -47,7 +47,7 @@ def _library_scores(store, scorer):
 def reference_kernels(monkeypatch):
     """Score with the reference attention: Algorithm 2's counter compares each probability with 1/t, a
     step function, so the last-bit differences of the fused CPU prefill (tested against the reference
-    in test_prefill_kernel.py) can flip a count where a probability sits on the threshold."""
+    in test_kernels_cpu.py) can flip a count where a probability sits on the threshold."""
     monkeypatch.setenv("EVICTLAYERS_KERNELS", "reference")
     dispatch.reload_kernel_choice()
     yield

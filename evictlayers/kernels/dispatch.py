@@ -1,13 +1,17 @@
-"""Pick the attention-with-mass kernel for the tensors at hand.
+"""Pick the backend of each attention op for the tensors at hand.
 
-``decode_attention`` and ``prefill_attention`` take exactly the references' arguments
-(``decode_attention_with_mass`` and ``attention_with_mass``) and route them:
+``decode_attention`` and ``prefill_attention`` take exactly the arguments every backend of their op
+takes (``decode/naive.py`` and ``prefill/naive.py`` document them) and hand them, unchanged, to one:
 
-- ``auto`` (default): Triton on CUDA tensors when Triton is installed; on CPU the reference decode
-  (it compiles into the fixed-shape decode graph) and the flash-attention CPU prefill; the references
-  on any other device;
+- ``auto`` (default): Triton on CUDA tensors when Triton is installed; on CPU the naive decode (it
+  compiles into the fixed-shape decode graph) and the flash-attention CPU prefill; the naive
+  references on any other device;
 - ``triton``: always the Triton kernels (CPU tensors only under ``TRITON_INTERPRET=1``, the interpreter);
-- ``reference``: always the pure-PyTorch references.
+- ``reference``: always the naive references.
+
+Every backend honours every option, so the choice never changes what is computed, only how; what
+cannot run at all (Triton without CUDA or the interpreter, Triton not installed) is refused with the
+way out in the message.
 
 The choice comes from the environment variable ``EVICTLAYERS_KERNELS``, read once at import (call
 ``reload_kernel_choice()`` after changing it) so that the decode step traced by
@@ -16,15 +20,15 @@ The choice comes from the environment variable ``EVICTLAYERS_KERNELS``, read onc
 
 from __future__ import annotations
 
-import functools
 import importlib.util
 import os
 
 import torch
 
-from evictlayers.kernels.attention_mass import AttentionMass, attention_with_mass
-from evictlayers.kernels.decode_attention import DecodeAttention, decode_attention_with_mass
-from evictlayers.kernels.prefill_cpu import attention_with_mass_cpu
+from evictlayers.kernels.common import AttentionMass, DecodeAttention
+from evictlayers.kernels.decode.naive import decode_attention_with_mass
+from evictlayers.kernels.prefill.cpu import attention_with_mass_cpu
+from evictlayers.kernels.prefill.naive import attention_with_mass
 
 ENV_VAR = "EVICTLAYERS_KERNELS"
 CHOICES = ("auto", "triton", "reference")
@@ -51,7 +55,7 @@ def kernel_choice() -> str:
 
 
 def _use_triton(tensor: torch.Tensor) -> bool:
-    """Whether the Triton kernel serves these tensors (raises when ``triton`` is forced but cannot run)."""
+    """Whether the Triton kernels serve these tensors (raises when ``triton`` is forced but cannot run)."""
     choice = kernel_choice()
     if choice != "triton":
         return choice == "auto" and tensor.is_cuda and HAS_TRITON
@@ -59,12 +63,25 @@ def _use_triton(tensor: torch.Tensor) -> bool:
         raise RuntimeError(
             f"{ENV_VAR}=triton but triton is not installed; install it or set {ENV_VAR} to auto or reference"
         )
-    if not tensor.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not tensor.is_cuda and not (tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"):
         raise RuntimeError(
             f"{ENV_VAR}=triton needs CUDA tensors, or TRITON_INTERPRET=1 (the Triton CPU interpreter, set before "
-            f"triton is imported) for {tensor.device.type} tensors; otherwise set {ENV_VAR} to auto or reference"
+            f"triton is imported) for cpu tensors; got {tensor.device.type} tensors: set {ENV_VAR} to auto or "
+            "reference"
         )
     return True
+
+
+def prefill_backend(tensor: torch.Tensor) -> str:
+    """``"triton"``, ``"cpu"`` or ``"naive"``: the prefill backend that serves tensors like ``tensor``."""
+    if _use_triton(tensor):
+        return "triton"
+    return "cpu" if kernel_choice() == "auto" and tensor.device.type == "cpu" else "naive"
+
+
+def decode_backend(tensor: torch.Tensor) -> str:
+    """``"triton"`` or ``"naive"``: the decode backend that serves tensors like ``tensor``."""
+    return "triton" if _use_triton(tensor) else "naive"
 
 
 def decode_attention(
@@ -80,10 +97,10 @@ def decode_attention(
     gqa_reduce: str = "sum",
     score_gain: torch.Tensor | None = None,
 ) -> DecodeAttention:
-    """``decode_attention_with_mass`` on the chosen kernel; see it for the arguments and shapes."""
+    """Decode attention with mass and LSE on the chosen backend; ``decode/naive.py`` documents the arguments."""
     kernel = decode_attention_with_mass
-    if _use_triton(query):
-        from evictlayers.kernels.triton_decode import decode_attention_with_mass_triton as kernel
+    if decode_backend(query) == "triton":
+        from evictlayers.kernels.decode.triton import decode_attention_with_mass_triton as kernel
     return kernel(
         query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap,
         sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain,
@@ -107,32 +124,17 @@ def prefill_attention(
     lse_out: torch.Tensor | None = None,
     need_mass: bool = True,
 ) -> AttentionMass:
-    """``attention_with_mass`` on the chosen kernel; see it for the arguments and shapes.
+    """Prefill attention with mass on the chosen backend; ``prefill/naive.py`` documents the arguments.
 
-    ``need_mass=False``: the caller reads no summed mass (its rows and output only), which comes back
-    as zeros; the CPU kernel then skips recomputing probabilities outside the kept rows (the output of
-    a policy with no attention scorer costs one flash pass), the other kernels compute and drop it.
-
-    ``lse_out`` (each query's log-sum-exp, wanted when a ``ClusterSketch`` is merged into a chunked
-    prefill) is filled by the reference only, so asking for it selects the reference."""
-    if lse_out is not None:
-        attention = attention_with_mass(
-            query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap,
-            sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain,
-            keep_rows=keep_rows, max_chunk_elements=max_chunk_elements, lse_out=lse_out,
-        )
+    ``need_mass=False`` (the caller reads the output and kept rows only): every backend skips the
+    summed mass and returns it as zeros. ``lse_out`` is filled by every backend."""
+    backend = prefill_backend(query)
+    if backend == "triton":
+        from evictlayers.kernels.prefill.triton import attention_with_mass_triton as kernel
     else:
-        if _use_triton(query):
-            from evictlayers.kernels.triton_prefill import attention_with_mass_triton as kernel
-        elif kernel_choice() == "auto" and query.device.type == "cpu":
-            kernel = functools.partial(attention_with_mass_cpu, mass=need_mass)
-        else:
-            kernel = attention_with_mass
-        attention = kernel(
-            query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap,
-            sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain,
-            keep_rows=keep_rows, max_chunk_elements=max_chunk_elements,
-        )
-    if not need_mass:
-        attention = attention._replace(mass=torch.zeros_like(attention.mass))
-    return attention
+        kernel = attention_with_mass_cpu if backend == "cpu" else attention_with_mass
+    return kernel(
+        query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap,
+        sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain,
+        keep_rows=keep_rows, max_chunk_elements=max_chunk_elements, lse_out=lse_out, need_mass=need_mass,
+    )

@@ -1,37 +1,18 @@
-"""Decode attention over KV slots that also returns the probability mass each slot received.
+"""Decode attention over KV slots with per-slot mass, the plain PyTorch reference (and the CPU path).
 
-The pure-PyTorch reference of kernel 1 (``kernels/triton_decode.py`` is the Triton kernel with the
-same signature). One query per row, so there is no query chunking and no host synchronisation: every
-op has a fixed shape, which is what lets the slot store's decode step compile into one graph
-(``torch.compile(fullgraph=True)``). The logits are computed once and serve both the output and the
-mass (H2O Algorithm 1 lines 8-9 accumulate exactly this mass); the cache is never cast or copied:
-the matmuls run in the cache dtype and only the ``[B, H, N]`` logits are float32.
+One query per row, so there is no query chunking and no host synchronisation: every op has a fixed
+shape, which is what lets the slot store's decode step compile into one graph
+(``torch.compile(fullgraph=True)``); on CPU this is the kernel the dispatcher runs. The logits are
+computed once and serve both the output and the mass (H2O Algorithm 1 lines 8-9 accumulate exactly
+this mass); the cache is never cast or copied: the matmuls run in the cache dtype and only the
+``[B, H, N]`` logits are float32.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from evictlayers.kernels.attention_mass import GQA_REDUCTIONS, reduce_group
-
-
-class DecodeAttention(NamedTuple):
-    """What ``decode_attention_with_mass`` returns.
-
-    Attributes:
-        out: ``[B, H_q, D_v]`` attention output in the query dtype (zero for a padding query).
-        mass: ``[B, H_kv, N]`` float32 scoring probability of each slot, reduced over its GQA group.
-        lse: ``[B, H_q]`` float32 log-sum-exp of the model's scaled (soft-capped) logits over the visible
-            slots, ``-inf`` when none is visible (a padding query): the softmax normaliser in log space,
-            which lets another source of keys (``ClusterSketch``'s sketch of evicted tokens) be merged
-            with ``out`` exactly (``merge_with_exact``). The score gain never enters it.
-    """
-
-    out: torch.Tensor
-    mass: torch.Tensor
-    lse: torch.Tensor
+from evictlayers.kernels.common import DecodeAttention, check_inputs, reduce_group
 
 
 def decode_attention_with_mass(
@@ -47,7 +28,7 @@ def decode_attention_with_mass(
     gqa_reduce: str = "sum",
     score_gain: torch.Tensor | None = None,
 ) -> DecodeAttention:
-    """One query per row attending over unordered slots addressed by original position.
+    """One query per row attending over unordered slots (the decode signature of every backend).
 
     Args:
         query: ``[B, H_q, D]`` post-RoPE query of the token being decoded.
@@ -63,13 +44,10 @@ def decode_attention_with_mass(
         score_gain: ``[B]`` factor on the logits of the scoring softmax only (AhaKV's SG-softmax);
             ``None`` scores with the model's own probabilities.
     """
-    if gqa_reduce not in GQA_REDUCTIONS:
-        raise ValueError(f"gqa_reduce={gqa_reduce!r} is not one of {GQA_REDUCTIONS}")
+    groups = check_inputs(query, key, value, query_pos, key_pos, gqa_reduce=gqa_reduce, score_gain=score_gain)
     batch, q_heads, head_dim = query.shape
     kv_heads = key.shape[1]
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")
-    grouped = query.view(batch, kv_heads, q_heads // kv_heads, head_dim).to(key.dtype)
+    grouped = query.view(batch, kv_heads, groups, head_dim).to(key.dtype)
     logits = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling  # [B, H_kv, G, N]
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap

@@ -1,46 +1,19 @@
-"""Attention over unordered KV slots that also returns the probability mass each slot received.
+"""Prefill attention with per-slot mass, the plain PyTorch reference every other backend is tested against.
 
-This is the reference implementation (pure PyTorch). It is what every eviction policy scores with:
-H2O's accumulated attention (Algorithm 1, lines 8-9) is the sum of these column masses over steps;
-AhaKV's recent accumulation (Eq. 5) and Scissorhands' low-score counter (Algorithm 2) read the last
-query rows individually (``keep_rows``); AhaKV's SG-softmax (Eq. 9) scores with re-scaled logits
-(``score_gain``) while the output keeps the model's own softmax.
-The query axis is processed in chunks, so a long prefill never materialises an ``[H, n, n]`` matrix:
-the peak extra memory is about ``B * H_q * chunk * N`` floats (``max_chunk_elements`` bounds it).
+It is what every eviction policy scores with: H2O's accumulated attention (Algorithm 1, lines 8-9) is
+the sum of these column masses over steps; AhaKV's recent accumulation (Eq. 5) and Scissorhands'
+low-score counter (Algorithm 2) read the last query rows individually (``keep_rows``); AhaKV's
+SG-softmax (Eq. 9) scores with re-scaled logits (``score_gain``) while the output keeps the model's
+own softmax. The query axis is processed in chunks, so a long prefill never materialises an
+``[H, n, n]`` matrix: the peak extra memory is about ``B * H_q * chunk * N`` floats
+(``max_chunk_elements`` bounds it).
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-GQA_REDUCTIONS = ("sum", "mean", "max")
-
-
-class AttentionMass(NamedTuple):
-    """What ``attention_with_mass`` returns.
-
-    Attributes:
-        out: ``[B, H_q, Q, D_v]`` attention output, in the query dtype (zero for padding queries).
-        mass: ``[B, H_kv, N]`` float32 scoring probability each slot received, summed over the
-            queries and reduced over each GQA group.
-        rows: ``[B, H_kv, R, N]`` float32 scoring probabilities of the last ``R = min(keep_rows, Q)``
-            queries, each reduced over its GQA group (``R = 0`` when not asked for).
-    """
-
-    out: torch.Tensor
-    mass: torch.Tensor
-    rows: torch.Tensor
-
-
-def reduce_group(per_head: torch.Tensor, how: str) -> torch.Tensor:
-    """Combine the query heads of each GQA group (dim 2)."""
-    if how == "sum":
-        return per_head.sum(dim=2)
-    if how == "mean":
-        return per_head.mean(dim=2)
-    return per_head.amax(dim=2)
+from evictlayers.kernels.common import AttentionMass, check_inputs, reduce_group
 
 
 def attention_with_mass(
@@ -58,8 +31,9 @@ def attention_with_mass(
     keep_rows: int = 0,
     max_chunk_elements: int = 1 << 24,
     lse_out: torch.Tensor | None = None,
+    need_mass: bool = True,
 ) -> AttentionMass:
-    """Causal attention over slots addressed by original position.
+    """Causal attention over slots addressed by original position (the prefill signature of every backend).
 
     Args:
         query: ``[B, H_q, Q, D]`` post-RoPE queries.
@@ -81,16 +55,16 @@ def attention_with_mass(
         lse_out: optional ``[B, H_q, Q]`` float32 tensor, filled in place with each query's log-sum-exp
             of the model's (scaled, soft-capped) logits over the slots it sees, ``-inf`` when it sees
             none. An out-argument so that the return value stays what every caller unpacks; the slot
-            store uses it to merge a ``ClusterSketch`` into a multi-token step.
+            store uses it to merge a ``ClusterSketch`` into a multi-token step, and to apply learned
+            attention sinks.
+        need_mass: ``False`` when the caller reads no summed mass: ``mass`` comes back as zeros and
+            the scoring probabilities are computed only for the chunks holding a kept row.
     """
-    if gqa_reduce not in GQA_REDUCTIONS:
-        raise ValueError(f"gqa_reduce={gqa_reduce!r} is not one of {GQA_REDUCTIONS}")
+    groups = check_inputs(query, key, value, query_pos, key_pos, gqa_reduce=gqa_reduce, score_gain=score_gain,
+                          lse_out=lse_out, keep_rows=keep_rows, max_chunk_elements=max_chunk_elements)
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, n_slots = key.shape[1], key.shape[2]
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")
-    groups = q_heads // kv_heads
-    n_rows = min(max(keep_rows, 0), q_len)
+    n_rows = min(keep_rows, q_len)
     first_kept_row = q_len - n_rows
 
     keys = key.float()
@@ -126,10 +100,14 @@ def attention_with_mass(
         # a query that sees no key (padding) gives a NaN row: it contributes nothing instead
         probs.nan_to_num_(0.0)
         out[:, :, :, start:stop] = torch.einsum("bhgqn,bhnd->bhgqd", probs, values[:, :, :limit])
+        keeps_rows = stop > first_kept_row
+        if not (need_mass or keeps_rows):
+            continue
         if score_logits is not None:
             probs = torch.softmax(score_logits.masked_fill_(hidden, float("-inf")), dim=-1).nan_to_num_(0.0)
-        per_head_mass[..., :limit] += probs.sum(dim=3)
-        if n_rows and stop > first_kept_row:
+        if need_mass:
+            per_head_mass[..., :limit] += probs.sum(dim=3)
+        if keeps_rows:
             lo = max(start, first_kept_row)
             rows[:, :, lo - first_kept_row : stop - first_kept_row, :limit] = reduce_group(
                 probs[:, :, :, lo - start :], gqa_reduce

@@ -1,6 +1,6 @@
 """CPU prefill attention with per-slot mass, built on PyTorch's fused flash attention for CPU.
 
-Same signature and result as ``attention_mass.attention_with_mass`` (the reference). Per query chunk,
+Same signature and result as ``prefill/naive.py`` (the reference). Per query chunk,
 ``aten._scaled_dot_product_flash_attention_for_cpu`` returns the output and each row's log-sum-exp
 ``LSE_i`` without materialising the probabilities; only the column sums
 ``sum_i exp(x_ij - LSE_i)`` (H2O Algorithm 1 lines 8-9 accumulate exactly these) are then recomputed
@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import torch
 
-from evictlayers.kernels.attention_mass import GQA_REDUCTIONS, AttentionMass, attention_with_mass, reduce_group
+from evictlayers.kernels.common import AttentionMass, check_inputs, reduce_group
+from evictlayers.kernels.prefill.naive import attention_with_mass
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # rows of the recompute are taken a few at a time so that each thread's share of their logits stays
@@ -44,34 +45,33 @@ def attention_with_mass_cpu(
     score_gain: torch.Tensor | None = None,
     keep_rows: int = 0,
     max_chunk_elements: int = 1 << 24,
-    mass: bool = True,
+    lse_out: torch.Tensor | None = None,
+    need_mass: bool = True,
 ) -> AttentionMass:
-    """Flash-CPU twin of ``attention_with_mass``; see it for the arguments and shapes.
+    """Flash-CPU twin of ``prefill/naive.py``'s ``attention_with_mass``; see it for the arguments and shapes.
 
-    ``mass=False`` (a policy whose scorers read no summed mass: key-geometry scores, windows of rows,
-    no scorer at all) leaves the mass at zeros and recomputes probabilities only for the chunks holding
-    one of the last ``keep_rows`` queries, so a prefill with nothing to score costs the flash op alone.
+    ``need_mass=False`` (a policy whose scorers read no summed mass: key-geometry scores, windows of
+    rows, no scorer at all) leaves the mass at zeros and recomputes probabilities only for the chunks
+    holding one of the last ``keep_rows`` queries, so a prefill with nothing to score costs the flash
+    op alone. ``lse_out`` is filled from the flash op's own log-sum-exp.
 
-    Falls back to the reference when ``softcap`` is set (the flash op has no soft-capping, and a
-    capped logit cannot be expressed through its additive mask) or when the value head size differs
-    from the key's (the op requires equal head sizes). A float16/bfloat16 cache is converted to
-    float32 once per call, as the reference does; a float32 cache is used as it is.
+    Runs the reference when ``softcap`` is set (the flash op has no soft-capping, and a capped logit
+    cannot be expressed through its additive mask) or when the value head size differs from the key's
+    (the op requires equal head sizes). A float16/bfloat16 cache is converted to float32 once per call,
+    as the reference does; a float32 cache is used as it is.
     """
+    groups = check_inputs(query, key, value, query_pos, key_pos, gqa_reduce=gqa_reduce, score_gain=score_gain,
+                          lse_out=lse_out, keep_rows=keep_rows, max_chunk_elements=max_chunk_elements)
     if softcap is not None or value.shape[-1] != key.shape[-1]:
         return attention_with_mass(
-            query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap,
-            sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain,
-            keep_rows=keep_rows, max_chunk_elements=max_chunk_elements,
+            query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap, sliding_window=sliding_window,
+            gqa_reduce=gqa_reduce, score_gain=score_gain, keep_rows=keep_rows, max_chunk_elements=max_chunk_elements,
+            lse_out=lse_out, need_mass=need_mass,
         )
-    if gqa_reduce not in GQA_REDUCTIONS:
-        raise ValueError(f"gqa_reduce={gqa_reduce!r} is not one of {GQA_REDUCTIONS}")
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, n_slots = key.shape[1], key.shape[2]
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")
-    groups = q_heads // kv_heads
     rows_of = batch * kv_heads
-    n_rows = min(max(keep_rows, 0), q_len)
+    n_rows = min(keep_rows, q_len)
     first_kept_row = q_len - n_rows
 
     queries = query.float().reshape(rows_of, groups, q_len, head_dim)
@@ -101,8 +101,12 @@ def attention_with_mass_cpu(
         slot_values = values[:, :, :limit].expand(-1, groups, -1, -1)
         chunk_queries = queries[:, :, start:stop]
         out[:, :, start:stop], lse = _FLASH(chunk_queries, slot_keys, slot_values, attn_mask=bias, scale=scaling)
+        if lse_out is not None:
+            # the op reports 0 for a row that sees nothing; the contract is -inf (no probability mass)
+            seen = visible.any(-1).expand(-1, groups, -1)
+            lse_out[:, :, start:stop] = lse.masked_fill(~seen, float("-inf")).view(batch, q_heads, stop - start)
         # without the mass, only the kept rows of the chunk are scored (none: the output is all it needs)
-        skip = 0 if mass else max(0, first_kept_row - start)
+        skip = 0 if need_mass else max(0, first_kept_row - start)
         if start + skip >= stop:
             continue
         chunk_queries, lse, bias, visible = (t[:, :, skip:] for t in (chunk_queries, lse, bias, visible))
@@ -112,7 +116,7 @@ def attention_with_mass_cpu(
             _, lse = _FLASH(chunk_queries, slot_keys, slot_values, attn_mask=bias, scale=scaling)
         probs_of = _scoring_probs(chunk_queries * scaling, keys[:, :limit], lse, visible.float())
         for offset, probs in probs_of:  # [B * H_kv, G, r, limit] for the chunk's rows offset, offset + 1, ...
-            if mass:
+            if need_mass:
                 per_head_mass[..., :limit] += probs.sum(dim=2)
             lo = start + skip + offset
             hi = lo + probs.shape[2]

@@ -1,6 +1,6 @@
 """Triton decode attention over KV slots that also returns each slot's probability mass.
 
-Same signature and result as ``decode_attention.decode_attention_with_mass`` (the reference).
+Same signature and result as ``decode/naive.py`` (the reference).
 Flash-decoding (Dao et al., "Flash-Decoding for long-context inference", 2023): the slots of each
 ``(b, kv head)`` are cut into splits processed in parallel; each split keeps a running max ``m_s``,
 sum ``l_s = sum_j exp(x_j - m_s)`` and unnormalised output ``acc_s = sum_j exp(x_j - m_s) v_j``; the
@@ -13,88 +13,24 @@ after the merge. Rather than reading K a second time, pass 1 stores its float32 
 ``[B, H_kv, G, N]`` scratch buffer (as awslabs/keys_values does) and the finalise pass turns them into
 ``exp(x - LSE)`` with ``LSE = M + log L``, reduced over the group. With ``score_gain`` the scoring
 softmax has its own normaliser: pass 1 keeps a second running max/sum over ``gain * x``.
-
-The small ``@triton.jit`` helpers here are shared with ``triton_prefill``.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import triton
 import triton.language as tl
 
-from evictlayers.kernels.attention_mass import GQA_REDUCTIONS
-from evictlayers.kernels.decode_attention import DecodeAttention
-
-REDUCE_CODES = {"sum": 0, "mean": 1, "max": 2}  # the kernels' REDUCE constexpr
-
-
-def interpreting() -> bool:
-    """Whether Triton kernels run on the CPU interpreter (``TRITON_INTERPRET=1``)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
-def dot_options(dtype: torch.dtype) -> tuple[bool, str]:
-    """(upcast to float32 before ``tl.dot``, its ``input_precision``) for a cache dtype.
-
-    float32 caches use exact ``ieee`` products: TF32 would move logits by ~1e-3 and could flip an
-    eviction against the reference. The CPU interpreter gets ``tl.dot`` wrong for bfloat16, so there
-    bfloat16 is upcast.
-    """
-    upcast = dtype == torch.float32 or (dtype == torch.bfloat16 and interpreting())
-    return upcast, "ieee" if upcast else "tf32"
-
-
-def block_size(n: int, lo: int = 16) -> int:
-    """Next power of two >= n, at least ``lo`` (``tl.dot`` needs every dim >= 16)."""
-    return max(lo, triton.next_power_of_2(n))
-
-
-@triton.jit
-def soft_cap(x, cap):
-    """Gemma2's ``tanh(x / cap) * cap``, with tanh written through exp (saturates cleanly at +-1)."""
-    return (1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)) * cap
-
-
-@triton.jit
-def visible_slots(q_pos, k_pos, window, HAS_WINDOW: tl.constexpr):
-    """Which slots a query sees: filled, not in its future, inside the sliding window; none for padding.
-
-    ``q_pos`` and ``k_pos`` broadcast against each other (``[M, 1]`` and ``[1, N]``, or scalars).
-    """
-    seen = (k_pos >= 0) & (k_pos <= q_pos) & (q_pos >= 0)
-    if HAS_WINDOW:
-        seen = seen & (q_pos - k_pos < window)
-    return seen
-
-
-@triton.jit
-def masked_logits(q, k, seen, scaling, softcap, HAS_SOFTCAP: tl.constexpr, UPCAST: tl.constexpr,
-                  PRECISION: tl.constexpr):
-    """``q @ k^T`` scaled (and soft-capped) in float32, ``-inf`` where not ``seen``. q: [M, D], k: [N, D]."""
-    if UPCAST:
-        q = q.to(tl.float32)
-        k = k.to(tl.float32)
-    x = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
-    if HAS_SOFTCAP:
-        x = soft_cap(x, softcap)
-    return tl.where(seen, x, float("-inf"))
-
-
-@triton.jit
-def online_update(m_i, l_i, x):
-    """One block of the online softmax: new running max, rescale factor, ``exp(x - max)``, new sum.
-
-    A row that has seen nothing keeps max ``-inf``; the max is then read as 0 so that no
-    ``-inf - -inf`` NaN appears and its probabilities stay 0.
-    """
-    m_new = tl.maximum(m_i, tl.max(x, 1))
-    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-    alpha = tl.exp(m_i - m_safe)
-    p = tl.exp(x - m_safe[:, None])
-    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+from evictlayers.kernels.common import DecodeAttention, check_inputs
+from evictlayers.kernels.triton_common import (
+    REDUCE_CODES,
+    block_size,
+    dot_options,
+    interpreting,
+    masked_logits,
+    online_update,
+    visible_slots,
+)
 
 
 @triton.jit
@@ -257,18 +193,16 @@ def decode_attention_with_mass_triton(
     gqa_reduce: str = "sum",
     score_gain: torch.Tensor | None = None,
 ) -> DecodeAttention:
-    """Triton twin of ``decode_attention_with_mass``; see it for the arguments.
+    """Triton twin of ``decode/naive.py``'s ``decode_attention_with_mass``; see it for the arguments.
 
     Shapes: query ``[B, H_q, D]``, key ``[B, H_kv, N, D]``, value ``[B, H_kv, N, D_v]``, query_pos
     ``[B]``, key_pos ``[B, H_kv, N]``, score_gain ``[B]``. Returns out ``[B, H_q, D_v]`` (query dtype) and
-    mass ``[B, H_kv, N]`` float32 and lse ``[B, H_q]`` float32. Extra memory: ``B * H_q * N`` float32 logits plus per-split stats.
+    mass ``[B, H_kv, N]`` float32 and lse ``[B, H_q]`` float32. Extra memory: ``B * H_q * N`` float32 logits
+    plus per-split statistics.
     The launch is the custom op ``torch.ops.evictlayers.decode_attention_with_mass_triton``, so
     ``torch.compile`` traces through it (``torch.library.triton_op``).
     """
-    if gqa_reduce not in GQA_REDUCTIONS:
-        raise ValueError(f"gqa_reduce={gqa_reduce!r} is not one of {GQA_REDUCTIONS}")
-    if query.shape[1] % key.shape[1]:
-        raise ValueError(f"query heads ({query.shape[1]}) must be a multiple of key/value heads ({key.shape[1]})")
+    check_inputs(query, key, value, query_pos, key_pos, gqa_reduce=gqa_reduce, score_gain=score_gain)
     out, mass, lse = _decode_op(query, key, value, query_pos, key_pos, scaling, softcap, sliding_window, gqa_reduce,
                                 score_gain)
     return DecodeAttention(out, mass, lse)

@@ -1,7 +1,7 @@
 """Triton prefill attention over KV slots that also returns each slot's probability mass.
 
-Same signature and result as ``attention_mass.attention_with_mass`` (the reference). Two passes, and
-never an ``[n, n]`` matrix:
+Same signature and result as ``prefill/naive.py`` (the reference). Two passes, and never an
+``[n, n]`` matrix:
 
 1. a FlashAttention forward (Dao et al. 2022, Algorithm 1: online softmax over key blocks) per query
    block and query head, writing the output and the row log-sum-exp ``LSE_i = log sum_j exp(x_ij)``
@@ -10,7 +10,10 @@ never an ``[n, n]`` matrix:
 2. per key block and KV head, the logits are recomputed block by block and the column sums
    ``sum_i exp(x_ij - LSE_i)`` accumulated over the queries (H2O Algorithm 1 lines 8-9 add exactly
    this to the accumulated score), per query head, then reduced over the GQA group; the last
-   ``keep_rows`` rows are written out reduced over the group.
+   ``keep_rows`` rows are written out reduced over the group. Without the mass (``need_mass=False``)
+   this pass reads only the query blocks holding a kept row, and is not launched when none is kept.
+
+``lse_out`` is pass 1's own LSE buffer when the caller passes one, so it costs nothing.
 
 Slots are unordered and addressed by position, so visibility is tested per (query, slot) pair; a block
 pair in which no query sees any slot (the upper triangle of an ordered prompt, empty blocks, outside
@@ -23,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from evictlayers.kernels.attention_mass import GQA_REDUCTIONS, AttentionMass
-from evictlayers.kernels.triton_decode import (
+from evictlayers.kernels.common import AttentionMass, check_inputs
+from evictlayers.kernels.triton_common import (
     REDUCE_CODES,
     block_size,
     dot_options,
@@ -97,13 +100,14 @@ def _forward_kernel(
 def _mass_kernel(
     q_ptr, k_ptr, qpos_ptr, kpos_ptr, gain_ptr, lse_ptr, mass_ptr, rows_ptr,
     s_qb, s_qh, s_qm, s_kb, s_kh, s_kn,
-    Q, N, D, R, scaling, softcap, window,
+    Q, N, D, R, first_m, scaling, softcap, window,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_GAIN: tl.constexpr, KEEP_ROWS: tl.constexpr,
-    REDUCE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    NEED_MASS: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Pass 2, one program per (slot block, b * H_kv + h): column sums of the scoring probabilities.
+    """Pass 2, one program per (slot block, b * H_kv + h): column sums of the scoring probabilities
+    (``NEED_MASS``) and the kept rows, over the query blocks from ``first_m`` on.
 
     ``lse_ptr`` holds the LSE of the scoring softmax (the model's own, or the gained one).
     """
@@ -120,7 +124,7 @@ def _mass_kernel(
                 mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     # per-head column sums: "max" reduces the heads' totals over all queries, not row by row
     head_sums = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-    for m0 in range(0, Q, BLOCK_M):
+    for m0 in range(first_m, Q, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < Q
         q_pos = tl.load(qpos_ptr + b * Q + offs_m, mask=m_ok, other=-1)
@@ -138,7 +142,8 @@ def _mass_kernel(
                     x = x * gain[:, None]
                 lse = tl.load(lse_ptr + (b * HKV * G + hq) * Q + offs_m, mask=m_ok, other=0.0)
                 p = tl.where(seen, tl.exp(x - lse[:, None]), 0.0)
-                head_sums = tl.where(offs_g[:, None] == g, head_sums + tl.sum(p, 0)[None, :], head_sums)
+                if NEED_MASS:
+                    head_sums = tl.where(offs_g[:, None] == g, head_sums + tl.sum(p, 0)[None, :], head_sums)
                 if KEEP_ROWS:
                     if REDUCE == 2:
                         grouped = tl.maximum(grouped, p)
@@ -152,13 +157,14 @@ def _mass_kernel(
                 tl.store(rows_ptr + (bh * R + kept[:, None]) * N + offs_n[None, :], grouped,
                          mask=(kept[:, None] >= 0) & m_ok[:, None] & n_ok[None, :])
 
-    if REDUCE == 2:
-        mass = tl.max(head_sums, 0)  # sums are >= 0, so the zero padding heads never win
-    else:
-        mass = tl.sum(head_sums, 0)
-        if REDUCE == 1:
-            mass = mass / G
-    tl.store(mass_ptr + bh * N + offs_n, mass, mask=n_ok)
+    if NEED_MASS:
+        if REDUCE == 2:
+            mass = tl.max(head_sums, 0)  # sums are >= 0, so the zero padding heads never win
+        else:
+            mass = tl.sum(head_sums, 0)
+            if REDUCE == 1:
+                mass = mass / G
+        tl.store(mass_ptr + bh * N + offs_n, mass, mask=n_ok)
 
 
 def attention_with_mass_triton(
@@ -175,54 +181,61 @@ def attention_with_mass_triton(
     score_gain: torch.Tensor | None = None,
     keep_rows: int = 0,
     max_chunk_elements: int = 1 << 24,
+    lse_out: torch.Tensor | None = None,
+    need_mass: bool = True,
 ) -> AttentionMass:
-    """Triton twin of ``attention_with_mass``; see it for the arguments.
+    """Triton twin of ``prefill/naive.py``'s ``attention_with_mass``; see it for the arguments.
 
     Shapes: query ``[B, H_q, Q, D]``, key ``[B, H_kv, N, D]``, value ``[B, H_kv, N, D_v]``, query_pos
-    ``[B, Q]``, key_pos ``[B, H_kv, N]``, score_gain ``[B, Q]``. Returns out ``[B, H_q, Q, D_v]``, mass
-    ``[B, H_kv, N]`` and rows ``[B, H_kv, R, N]``. Extra memory is ``O(B * H_q * Q)`` (the LSEs);
-    ``max_chunk_elements`` is accepted for signature parity and unused, since only block tiles are held.
+    ``[B, Q]``, key_pos ``[B, H_kv, N]``, score_gain ``[B, Q]``, lse_out ``[B, H_q, Q]``. Returns out
+    ``[B, H_q, Q, D_v]``, mass ``[B, H_kv, N]`` and rows ``[B, H_kv, R, N]``. Extra memory is
+    ``O(B * H_q * Q)`` (the LSEs): only block tiles are held, so ``max_chunk_elements`` (a bound on
+    the logits held at once) is always met.
     """
-    del max_chunk_elements
-    if gqa_reduce not in GQA_REDUCTIONS:
-        raise ValueError(f"gqa_reduce={gqa_reduce!r} is not one of {GQA_REDUCTIONS}")
+    groups = check_inputs(query, key, value, query_pos, key_pos, gqa_reduce=gqa_reduce, score_gain=score_gain,
+                          lse_out=lse_out, keep_rows=keep_rows, max_chunk_elements=max_chunk_elements)
     batch, q_heads, q_len, head_dim = query.shape
     _, kv_heads, n_slots, _ = key.shape
     v_dim = value.shape[-1]
-    if q_heads % kv_heads:
-        raise ValueError(f"query heads ({q_heads}) must be a multiple of key/value heads ({kv_heads})")
-    groups = q_heads // kv_heads
-    n_rows = min(max(keep_rows, 0), q_len)
+    n_rows = min(keep_rows, q_len)
+    scores = need_mass or n_rows > 0
+    gained = score_gain is not None and scores  # the gained LSE is read by pass 2 only
     # the kernels index the last dim with stride 1 and the position tensors densely
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     query_pos, key_pos = query_pos.contiguous(), key_pos.contiguous()
-    gain = score_gain.contiguous() if score_gain is not None else query_pos  # never read without a gain
+    gain = score_gain.contiguous() if gained else query_pos  # never read without a gain
     device = query.device
     block = 16 if interpreting() else 64
     upcast, precision = dot_options(key.dtype)
 
     f32 = dict(dtype=torch.float32, device=device)
     out = torch.empty(batch, q_heads, q_len, v_dim, dtype=query.dtype, device=device)
-    lse = torch.empty(2 if score_gain is not None else 1, batch, q_heads, q_len, **f32)
-    mass = torch.empty(batch, kv_heads, n_slots, **f32)
+    lse = lse_out if lse_out is not None and lse_out.is_contiguous() else torch.empty(batch, q_heads, q_len, **f32)
+    score_lse = torch.empty(batch, q_heads, q_len, **f32) if gained else lse
+    mass = (torch.empty if need_mass else torch.zeros)(batch, kv_heads, n_slots, **f32)
     rows = torch.empty(batch, kv_heads, n_rows, n_slots, **f32)
     shared = dict(G=groups, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_size(head_dim),
                   HAS_SOFTCAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
-                  HAS_GAIN=score_gain is not None, UPCAST=upcast, PRECISION=precision)
+                  HAS_GAIN=gained, UPCAST=upcast, PRECISION=precision)
     common = (scaling, softcap or 1.0, sliding_window or 0)
 
     _forward_kernel[(triton.cdiv(q_len, block), batch * q_heads)](
-        query, key, value, query_pos, key_pos, gain, out, lse[0], lse[-1],
+        query, key, value, query_pos, key_pos, gain, out, lse, score_lse,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), out.stride(0), out.stride(1), out.stride(2),
         q_len, n_slots, head_dim, v_dim, *common,
         HQ=q_heads, BLOCK_DV=block_size(v_dim), **shared,
     )
-    _mass_kernel[(triton.cdiv(n_slots, block), batch * kv_heads)](
-        query, key, query_pos, key_pos, gain, lse[-1], mass, rows,
-        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-        q_len, n_slots, head_dim, n_rows, *common,
-        HKV=kv_heads, BLOCK_G=block_size(groups, lo=1), KEEP_ROWS=n_rows > 0,
-        REDUCE=REDUCE_CODES[gqa_reduce], **shared,
-    )
+    if lse_out is not None and lse is not lse_out:
+        lse_out.copy_(lse)
+    if scores:
+        # without the mass, pass 2 starts at the query block holding the first kept row
+        first_m = 0 if need_mass else (q_len - n_rows) // block * block
+        _mass_kernel[(triton.cdiv(n_slots, block), batch * kv_heads)](
+            query, key, query_pos, key_pos, gain, score_lse, mass, rows,
+            query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+            q_len, n_slots, head_dim, n_rows, first_m, *common,
+            HKV=kv_heads, BLOCK_G=block_size(groups, lo=1), KEEP_ROWS=n_rows > 0, NEED_MASS=need_mass,
+            REDUCE=REDUCE_CODES[gqa_reduce], **shared,
+        )
     return AttentionMass(out, mass, rows)

@@ -1,0 +1,16 @@
+"""Prefill attention with per-slot mass: one signature, three backends.
+
+- ``naive.py``: ``attention_with_mass``, the plain PyTorch reference (any device);
+- ``cpu.py``: ``attention_with_mass_cpu``, PyTorch's fused flash attention for CPU plus the column sums;
+- ``triton.py``: ``attention_with_mass_triton``, imported on first use only (triton reads
+  ``TRITON_INTERPRET`` when a kernel is defined).
+
+Each takes ``(query, key, value, query_pos, key_pos, *, scaling, softcap, sliding_window, gqa_reduce,
+score_gain, keep_rows, max_chunk_elements, lse_out, need_mass)`` and returns ``AttentionMass``;
+``naive.py`` documents the arguments.
+"""
+
+from evictlayers.kernels.prefill.cpu import attention_with_mass_cpu
+from evictlayers.kernels.prefill.naive import attention_with_mass
+
+__all__ = ["attention_with_mass", "attention_with_mass_cpu"]

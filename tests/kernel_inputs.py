@@ -1,0 +1,131 @@
+"""Inputs and checks shared by the kernel tests: odd-shaped slot layouts, NaN-poisoned buffers, and the
+comparison of a backend with the naive reference.
+
+``loop_reference`` is the independent reference the naive kernels are tested against: one query, one
+head, one slot at a time in float64, with the visibility rules written out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+
+from evictlayers.kernels.prefill.naive import attention_with_mass
+
+
+def prefill_inputs(seed, older, new, *, groups=3, kv_heads=2, head_dim=24, v_dim=None, batch=2, dtype=torch.float32):
+    """A (chunked) prefill: ``older`` unordered slots with ~20% holes (positions below ``2 * older``),
+    then ``new`` in-order slots for the chunk's queries. Row 1 is left-padded by 3 tokens (padding
+    queries at -1, their slots empty). Returns query ``[B, H_q, new, D]``, key ``[B, H_kv, N, D]``, value
+    ``[B, H_kv, N, D_v]``, query_pos ``[B, new]``, key_pos ``[B, H_kv, N]``."""
+    g = torch.Generator().manual_seed(seed)
+    n_slots = older + new
+    query = torch.randn(batch, kv_heads * groups, new, head_dim, generator=g).to(dtype)
+    key = torch.randn(batch, kv_heads, n_slots, head_dim, generator=g).to(dtype)
+    value = torch.randn(batch, kv_heads, n_slots, v_dim or head_dim, generator=g).to(dtype)
+    old = torch.stack([torch.randperm(2 * older, generator=g)[:older] for _ in range(batch * kv_heads)])
+    old[torch.rand(old.shape, generator=g) < 0.2] = -1
+    fresh = torch.arange(2 * older, 2 * older + new).expand(batch * kv_heads, new)
+    key_pos = torch.cat([old, fresh], dim=1).view(batch, kv_heads, n_slots)
+    query_pos = torch.arange(2 * older, 2 * older + new).repeat(batch, 1)
+    if batch > 1:
+        query_pos[1, :3] = -1
+        key_pos[1, :, older : older + 3] = -1
+    return query, key, value, query_pos, key_pos
+
+
+@contextlib.contextmanager
+def poisoned_empty():
+    """Make ``torch.empty`` return NaN-filled float tensors for the duration, so an output element a
+    kernel forgets to write, or a scratch value read before it is written, shows up as NaN."""
+    real = torch.empty
+
+    def empty(*args, **kwargs):
+        tensor = real(*args, **kwargs)
+        return tensor.fill_(float("nan")) if tensor.is_floating_point() else tensor
+
+    torch.empty = empty
+    try:
+        yield
+    finally:
+        torch.empty = real
+
+
+def nan_lse(query):
+    """A NaN-filled ``lse_out`` buffer for ``query`` ``[B, H_q, Q, D]``: every element must be written."""
+    return torch.full(query.shape[:3], float("nan"), dtype=torch.float32)
+
+
+def compare_prefill(kernel, inputs, *, out_atol=1e-5, mass_atol=1e-5, rtol=1e-4, **options):
+    """Run ``kernel`` and the naive reference on ``inputs`` with ``options``, both with a NaN-filled
+    ``lse_out`` and the kernel's own allocations poisoned; assert out, mass, rows and lse agree.
+
+    With ``need_mass=False`` in ``options`` the kernel's mass must be exactly zero and everything
+    else must match the reference run with the mass. Returns the kernel's result."""
+    query = inputs[0]
+    need_mass = options.pop("need_mass", True)
+    got_lse, want_lse = nan_lse(query), nan_lse(query)
+    with poisoned_empty():
+        got = kernel(*inputs, **options, lse_out=got_lse, need_mass=need_mass)
+    want = attention_with_mass(*inputs, **options, lse_out=want_lse)
+    assert got.out.dtype == query.dtype and got.mass.dtype == got.rows.dtype == torch.float32
+    if not need_mass:
+        assert (got.mass == 0).all(), "need_mass=False must leave the mass at zero"
+        got = got._replace(mass=want.mass)
+    for name, a, b, atol in zip(("out", "mass", "rows", "lse"), (*got, got_lse), (*want, want_lse),
+                                (out_atol, mass_atol, mass_atol, out_atol)):
+        assert a.shape == b.shape, f"{name}: {tuple(a.shape)} != {tuple(b.shape)}"
+        assert not a.isnan().any(), f"{name} has NaN (an element never written?)"
+        torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    return got
+
+
+def loop_reference(query, key, value, query_pos, key_pos, scaling, softcap=None, window=None, reduce="sum", gain=None):
+    """Prefill attention one query, one head, one slot at a time in float64.
+
+    Returns ``(out [B, H_q, Q, D_v], mass [B, H_kv, N], rows [B, H_kv, Q, N], lse [B, H_q, Q])``: ``rows``
+    are every query's scoring probabilities reduced over its GQA group, ``lse`` the log-sum-exp of the
+    model's logits (``-inf`` for a query that sees nothing)."""
+    batch, q_heads, q_len, _ = query.shape
+    kv_heads, n_slots = key.shape[1], key.shape[2]
+    groups = q_heads // kv_heads
+    out = torch.zeros(batch, q_heads, q_len, value.shape[-1], dtype=torch.float64)
+    head_mass = torch.zeros(batch, q_heads, n_slots, dtype=torch.float64)
+    head_rows = torch.zeros(batch, q_heads, q_len, n_slots, dtype=torch.float64)
+    lse = torch.full((batch, q_heads, q_len), -math.inf, dtype=torch.float64)
+    for b in range(batch):
+        for h in range(q_heads):
+            kv = h // groups
+            for i in range(q_len):
+                qp = int(query_pos[b, i])
+                visible = [
+                    j for j in range(n_slots)
+                    if qp >= 0 and 0 <= int(key_pos[b, kv, j]) <= qp
+                    and (window is None or qp - int(key_pos[b, kv, j]) < window)
+                ]
+                if not visible:
+                    continue
+                logits = []
+                for j in visible:
+                    x = float(query[b, h, i].double() @ key[b, kv, j].double()) * scaling
+                    logits.append(math.tanh(x / softcap) * softcap if softcap else x)
+                top = max(logits)
+                lse[b, h, i] = top + math.log(sum(math.exp(x - top) for x in logits))
+                for j, p in zip(visible, _softmax(logits)):
+                    out[b, h, i] += p * value[b, kv, j].double()
+                scores = _softmax([x * float(gain[b, i]) for x in logits]) if gain is not None else _softmax(logits)
+                for j, p in zip(visible, scores):
+                    head_mass[b, h, j] += p
+                    head_rows[b, h, i, j] = p
+    grouped = head_mass.view(batch, kv_heads, groups, n_slots)
+    grouped_rows = head_rows.view(batch, kv_heads, groups, q_len, n_slots)
+    combine = {"sum": lambda t: t.sum(2), "mean": lambda t: t.mean(2), "max": lambda t: t.amax(2)}[reduce]
+    return out, combine(grouped), combine(grouped_rows), lse
+
+
+def _softmax(logits):
+    top = max(logits)
+    weights = [math.exp(x - top) for x in logits]
+    return [w / sum(weights) for w in weights]

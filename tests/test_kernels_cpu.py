@@ -1,0 +1,87 @@
+"""The CPU prefill backend against the naive reference on odd shapes, every option, NaN-poisoned buffers."""
+
+import pytest
+import torch
+
+import evictlayers.kernels.prefill.cpu as prefill_cpu
+from evictlayers.kernels.prefill.cpu import attention_with_mass_cpu
+from kernel_inputs import compare_prefill, prefill_inputs
+from tiny_models import single_thread  # noqa: F401 (autouse fixture)
+
+
+@pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
+@pytest.mark.parametrize(
+    "older,new,groups,window,chunk",
+    [(0, 29, 1, None, 1 << 24), (13, 17, 3, None, 200), (40, 23, 4, 9, 1 << 24), (7, 31, 3, 5, 700)],
+    ids=["prompt-g1", "chunked-g3-small-chunks", "chunked-g4-window", "chunked-g3-window-small-chunks"],
+)
+@pytest.mark.parametrize("with_gain", [False, True], ids=["model-softmax", "score-gain"])
+def test_cpu_prefill_matches_reference(reduce, older, new, groups, window, chunk, with_gain):
+    inputs = prefill_inputs(older + new + groups, older, new, groups=groups)
+    gain = torch.rand(2, new, generator=torch.Generator().manual_seed(3)) * 3 if with_gain else None
+    if gain is not None:
+        gain[0, 4] = 0.0  # gain 0: uniform over the visible slots
+    got = compare_prefill(attention_with_mass_cpu, inputs, scaling=0.3, sliding_window=window, gqa_reduce=reduce,
+                          score_gain=gain, keep_rows=6, max_chunk_elements=chunk)
+    key_pos = inputs[4]
+    assert (got.out[1, :, :3] == 0).all() and (got.mass[key_pos < 0] == 0).all()
+
+
+@pytest.mark.parametrize(
+    "head_dim,v_dim,softcap", [(24, 24, 2.5), (24, 40, None), (20, 12, 4.0)],
+    ids=["softcap", "dv-wider", "dv-narrower-softcap"],
+)
+@pytest.mark.parametrize("need_mass", [True, False], ids=["mass", "no-mass"])
+def test_cpu_prefill_with_softcap_and_value_heads_of_another_size(head_dim, v_dim, softcap, need_mass):
+    inputs = prefill_inputs(17, 11, 21, groups=3, head_dim=head_dim, v_dim=v_dim)
+    gain = torch.rand(2, 21, generator=torch.Generator().manual_seed(5)) * 2
+    compare_prefill(attention_with_mass_cpu, inputs, scaling=0.3, softcap=softcap, sliding_window=8,
+                    gqa_reduce="max", score_gain=gain, keep_rows=5, max_chunk_elements=400, need_mass=need_mass)
+
+
+@pytest.mark.parametrize("keep_rows", [0, 1, 6, 40], ids=lambda r: f"rows{r}")
+@pytest.mark.parametrize("with_gain", [False, True], ids=["model-softmax", "score-gain"])
+def test_cpu_prefill_without_the_mass_keeps_output_and_rows(keep_rows, with_gain):
+    """``need_mass=False`` (a policy that reads no summed mass) skips the recompute outside the kept rows:
+    the output, lse and kept rows are the reference's, across chunk boundaries, with a window and a gain."""
+    inputs = prefill_inputs(11, 13, 31, groups=3)
+    gain = torch.rand(2, 31, generator=torch.Generator().manual_seed(4)) * 3 if with_gain else None
+    compare_prefill(attention_with_mass_cpu, inputs, scaling=0.3, sliding_window=7, score_gain=gain,
+                    keep_rows=keep_rows, max_chunk_elements=500, need_mass=False)
+
+
+def test_cpu_prefill_without_mass_or_rows_scores_nothing(monkeypatch):
+    """With neither the mass nor kept rows wanted, no probability is recomputed: the flash op alone."""
+    scored = []
+    real = prefill_cpu._scoring_probs
+    monkeypatch.setattr(prefill_cpu, "_scoring_probs", lambda *a: scored.append(1) or real(*a))
+    query, key, value, query_pos, key_pos = prefill_inputs(13, 5, 40)
+    attention_with_mass_cpu(query, key, value, query_pos, key_pos, scaling=0.3, need_mass=False,
+                            max_chunk_elements=300)
+    assert scored == []
+    attention_with_mass_cpu(query, key, value, query_pos, key_pos, scaling=0.3, need_mass=False, keep_rows=2,
+                            max_chunk_elements=300)
+    assert len(scored) == 2  # chunks of one query here (300 elements): the last two only
+
+
+def test_cpu_prefill_in_half_precision_and_with_keep_rows_beyond_the_chunk():
+    inputs = prefill_inputs(5, 11, 19, groups=4, dtype=torch.float16)
+    got = compare_prefill(attention_with_mass_cpu, inputs, out_atol=1e-3, mass_atol=1e-3, scaling=0.25,
+                          keep_rows=50, max_chunk_elements=300)
+    assert got.rows.shape == (2, 2, 19, 30)
+
+
+def test_cpu_prefill_leaves_a_float32_cache_uncopied(monkeypatch):
+    """The flash op and the logits matmul read the cache itself (views, stride-0 group expansion)."""
+    query, key, value, query_pos, key_pos = prefill_inputs(7, 8, 10)
+    seen = []
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+    def spy(q, k, v, **kwargs):
+        seen.append((k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()))
+        return flash(q, k, v, **kwargs)
+
+    monkeypatch.setattr(prefill_cpu, "_FLASH", spy)
+    attention_with_mass_cpu(query, key, value, query_pos, key_pos, scaling=0.3, max_chunk_elements=200)
+    assert len(seen) > 1
+    assert set(seen) == {(key.untyped_storage().data_ptr(), value.untyped_storage().data_ptr())}
