@@ -3,7 +3,10 @@
 from evictlayers import models
 from evictlayers.compose import CompileError, Policy, PolicyError, Pyramid, Ramp, RecipeError, SlotStore, Uniform, dump_recipe, load_recipe
 from evictlayers.hf import EvictionCache, UnsupportedModelError, apply
-from evictlayers.modules import ClusterSketch, DenseKV, HeavyHitterSelector, QuantizedKV, RecentWindow, SinkTokens
+from evictlayers.core import Component
+from evictlayers.modules import (
+    ClusterSketch, DenseKV, HeavyHitterSelector, KCenterSelector, QuantizedKV, RecentWindow, SinkTokens,
+)
 from evictlayers.scoring import (
     Averaged, Cumulative, KeyDiff, KeyNorm, LowScoreCounter, RecentThenCumulative, StepGainSoftmax, ValuePrior,
     Windowed,
@@ -13,10 +16,12 @@ __all__ = [
     "Averaged",
     "CompileError",
     "ClusterSketch",
+    "Component",
     "Cumulative",
     "DenseKV",
     "EvictionCache",
     "HeavyHitterSelector",
+    "KCenterSelector",
     "KeyDiff",
     "KeyNorm",
     "LowScoreCounter",

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import evictlayers as el
+from evictlayers.compose import ranking
 from evictlayers.scoring import SlotView
 from reference_scorers import single_thread  # noqa: F401 (autouse fixture)
 
@@ -46,7 +47,7 @@ def _unprotected_parts(store):
     """Score, attention part and prior weight of the unprotected slots of head 0."""
     view = SlotView(pos=store.pos, seen=store.seen, budget=store.budget)
     selector = store.policy.selector
-    mask = torch.isfinite(store.policy.priority(store.state, view))[0, 0]
+    mask = torch.isfinite(ranking.priority(store.policy, store.state, view))[0, 0]
     attention = selector.accumulator.score(store.state, view)[0, 0][mask]
     prior = selector.prior.weight(store.state, view)[0, 0][mask]
     return selector.score(store.state, view)[0, 0][mask], attention, prior

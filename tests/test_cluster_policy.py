@@ -1,5 +1,5 @@
-"""ClusterSketch inside policies (ClusterGen, shared/seeds/004): stream mode absorbs what eviction frees
-and merges it into attention, k-center mode selects the slots to keep (Sec. 4).
+"""ClusterGen (shared/seeds/004) inside policies: ClusterSketch absorbs what eviction frees and merges it
+into attention (Algorithm 1), KCenterSelector selects the slots to keep (Sec. 4).
 
 References: the unmodified model where nothing is evicted; each row alone for a padded batch; the
 eager step for the compiled one; exact attention over every token (plain softmax, written here) for
@@ -14,10 +14,12 @@ import math
 
 import pytest
 import torch
+import yaml
 from torch._dynamo.utils import counters
 
 import evictlayers as el
 from evictlayers.kernels import attention_with_mass, decode_attention_with_mass
+from evictlayers.compose.recipes import policy_from_dict
 from evictlayers.compose.store import COIN_TABLE_TOKENS
 from held_memory import held_bytes, held_storages, storage_addresses
 from reference_cluster_sketch import reference_kcenter
@@ -33,7 +35,7 @@ def stream(budget=6, radius=2.0, **extra) -> el.Policy:
 
 
 def kcenter(budget=8, recent=3) -> el.Policy:
-    return el.Policy(el.RecentWindow(recent), el.ClusterSketch("kcenter"), budget=budget)
+    return el.Policy(el.RecentWindow(recent), el.KCenterSelector(), budget=budget)
 
 
 def decode_loop(model, policy, steps: int, compile: bool = False, ids=None, mask=None, after_step=None):
@@ -99,7 +101,7 @@ def test_a_coin_table_gives_the_hashed_coins():
     sketch.absorb(hashed, keys[:, :, :3], values[:, :, :3], mask[:, :, :3])
     sketch.absorb(tabled, keys[:, :, :3], values[:, :, :3], mask[:, :, :3])
     table = sketch.coin_table(tabled, 9)
-    assert torch.equal(table.uniforms[:, :, 0], el.modules.cluster_sketch.sketch_uniforms(hashed.salt, hashed.absorbed, 7))
+    assert torch.equal(table.uniforms[:, :, 0], el.modules.sketch_coins.sketch_uniforms(hashed.salt, hashed.absorbed, 7))
     for i in range(3, 12):  # at most 9 more tokens per head
         sketch.absorb(hashed, keys[:, :, i : i + 1], values[:, :, i : i + 1], mask[:, :, i : i + 1])
         sketch.absorb(tabled, keys[:, :, i : i + 1], values[:, :, i : i + 1], mask[:, :, i : i + 1], coins=table)
@@ -113,22 +115,20 @@ def test_a_coin_table_gives_the_hashed_coins():
 @pytest.mark.parametrize(
     "make, match",
     [
-        (lambda: el.Policy(el.ClusterSketch("kcenter"), budget=8), r"ClusterSketch\(mode='kcenter'\).*RecentWindow"),
+        (lambda: el.Policy(el.KCenterSelector(), budget=8), r"KCenterSelector keeps k centres.*RecentWindow"),
         (lambda: el.Policy(el.SinkTokens(2), el.ClusterSketch(radius=1.0), budget=8),
-         r"ClusterSketch\(mode='stream'\).*RecentWindow"),
+         r"ClusterSketch absorbs.*RecentWindow"),
         (lambda: el.Policy(el.RecentWindow(), el.ClusterSketch(radius=1.0), el.ClusterSketch(radius=2.0), budget=8),
          "2 ClusterSketch modules"),
-        (lambda: el.Policy(el.RecentWindow(2), el.ClusterSketch("kcenter"), el.ClusterSketch(radius=1.0), budget=8),
-         "2 ClusterSketch modules"),
-        (lambda: el.Policy(el.RecentWindow(2), el.HeavyHitterSelector(el.Cumulative()), el.ClusterSketch("kcenter"),
-                           budget=8), r"2 selectors \(HeavyHitterSelector.*ClusterSketch\(mode='kcenter'"),
-        (lambda: el.Policy(el.RecentWindow(), el.ClusterSketch("kcenter"), budget=8), "give RecentWindow a size"),
-        (lambda: el.Policy(el.RecentWindow(3), el.ClusterSketch("kcenter", centres=4), budget=8),
+        (lambda: el.Policy(el.RecentWindow(2), el.HeavyHitterSelector(el.Cumulative()), el.KCenterSelector(),
+                           budget=8), r"2 selectors \(HeavyHitterSelector.*KCenterSelector is a policy's only selector"),
+        (lambda: el.Policy(el.RecentWindow(), el.KCenterSelector(), budget=8), "give RecentWindow a size"),
+        (lambda: el.Policy(el.RecentWindow(3), el.KCenterSelector(centres=4), budget=8),
          r"centres=4.*leaves 5 centres.*budget=7"),
-        (lambda: el.Policy(el.RecentWindow(3), el.ClusterSketch("kcenter", centres=4), budget=0.2),
+        (lambda: el.Policy(el.RecentWindow(3), el.KCenterSelector(centres=4), budget=0.2),
          r"centres=4.*int l \+ k"),
     ],
-    ids=["kcenter-no-window", "stream-no-window", "two-sketches", "two-sketch-modes", "two-selectors",
+    ids=["kcenter-no-window", "stream-no-window", "two-sketches", "two-selectors",
          "kcenter-open-window", "centres-mismatch", "centres-float-budget"],
 )
 def test_bad_compositions_raise_naming_the_modules(make, match):
@@ -140,17 +140,29 @@ def test_good_compositions_and_their_roles():
     policy = el.Policy(el.RecentWindow(2), el.HeavyHitterSelector(el.Cumulative()), el.ClusterSketch(radius=1.0), budget=6)
     assert policy.sketch is not None and isinstance(policy.selector, el.HeavyHitterSelector)
     assert el.Policy(el.HeavyHitterSelector(el.Cumulative()), el.ClusterSketch(radius=1.0), budget=6).sketch is not None
-    selecting = el.Policy(el.RecentWindow(3), el.ClusterSketch("kcenter", centres=5), budget=8)
-    assert selecting.sketch is None and selecting.kcenter is selecting.selector
+    selecting = el.Policy(el.RecentWindow(3), el.KCenterSelector(centres=5), budget=8)
+    assert selecting.sketch is None and isinstance(selecting.selector, el.KCenterSelector)
     assert selecting.state_specs == {"kcenter_gap": ()}
+    # the two roles compose: k-center picks what stays exact, the sketch absorbs what it evicts
+    both = el.Policy(el.RecentWindow(2), el.KCenterSelector(), el.ClusterSketch(radius=1.0), budget=8)
+    assert isinstance(both.selector, el.KCenterSelector) and both.sketch == el.ClusterSketch(radius=1.0)
+
+
+@pytest.mark.parametrize("mode", ["stream", "kcenter"])
+def test_a_recipe_with_the_old_sketch_mode_fails_naming_the_component_that_replaced_it(mode):
+    recipe = f"budget: 8\nmodules:\n  - _component_: RecentWindow\n    size: 4\n  - _component_: ClusterSketch\n    mode: {mode}\n"
+    with pytest.raises(el.RecipeError, match=r"modules\[1\]\.mode: .*KCenterSelector"):
+        policy_from_dict(yaml.safe_load(recipe))
 
 
 def test_recipes_load_as_documented():
     stream_recipe = el.load_recipe("clustergen")
-    assert stream_recipe.budget == 0.2 and stream_recipe.sketch.mode == "stream"
+    assert stream_recipe.budget == 0.2 and stream_recipe.sketch == el.ClusterSketch(
+        radius=8.0, samples_per_cluster=4, value_samples=64, max_clusters=32, seed=0
+    )
     assert stream_recipe.modules_in_order[0] == el.RecentWindow()
     assert el.load_recipe("clustergen_kcenter") == el.Policy(
-        el.RecentWindow(0.5), el.ClusterSketch("kcenter"), budget=0.2
+        el.RecentWindow(0.5), el.KCenterSelector(), budget=0.2
     )
 
 
@@ -420,7 +432,7 @@ def test_chunked_prefill_merges_the_sketch_like_a_decode_step():
     assert (chunked.sketch.absorbed[0] == 10).all()  # the chunk's step dropped three more
 
 
-# ---- k-center mode ----------------------------------------------------------------------------------
+# ---- KCenterSelector ----------------------------------------------------------------------------------
 
 
 def test_kcenter_prefill_keeps_the_recent_window_and_the_greedy_k_center_picks():

@@ -1,4 +1,4 @@
-"""ClusterSketch (ClusterGen, shared/seeds/004) on fixed buffers: the batched module flips the same
+"""ClusterSketch and greedy k-center (ClusterGen, shared/seeds/004) on fixed buffers: the batched module flips the same
 coins as a plain-loop Algorithm 1 (tests/reference_cluster_sketch.py) and agrees with it exactly, its
 error meets the form of Theorem 2.4 on clusterable keys, its memory does not grow with the stream,
 and the merge with the exact slots, k-center selection and argument checks behave as documented."""
@@ -10,13 +10,10 @@ import math
 import pytest
 import torch
 
-from evictlayers.modules.cluster_sketch import (
-    ClusterSketch,
-    SketchState,
-    kcenter_select,
-    merge_with_exact,
-    sketch_uniforms,
-)
+from evictlayers.modules import KCenterSelector
+from evictlayers.modules.cluster_sketch import ClusterSketch, SketchState, merge_with_exact
+from evictlayers.modules.kcenter_selector import kcenter_select
+from evictlayers.modules.sketch_coins import sketch_uniforms
 from held_memory import held_bytes, storage_addresses
 from reference_cluster_sketch import ReferenceStream, coin, reference_kcenter, salt
 from tiny_models import single_thread  # noqa: F401 (autouse fixture)
@@ -359,7 +356,6 @@ def test_kcenter_does_not_depend_on_slot_order():
 @pytest.mark.parametrize(
     "kwargs, named",
     [
-        ({"mode": "cluster", "radius": 1.0}, "mode"),
         ({"radius": None}, "radius"),
         ({"radius": 0.0}, "radius"),
         ({"radius": -1.0}, "radius"),
@@ -369,7 +365,6 @@ def test_kcenter_does_not_depend_on_slot_order():
         ({"radius": 1.0, "value_samples": 0}, "value_samples"),
         ({"radius": 1.0, "value_samples": 2.0}, "value_samples"),
         ({"radius": 1.0, "max_clusters": 0}, "max_clusters"),
-        ({"mode": "kcenter", "centres": 0}, "centres"),
         ({"radius": 1.0, "seed": -1}, "seed"),
         ({"radius": 1.0, "seed": 2**32}, "seed"),
     ],
@@ -379,10 +374,21 @@ def test_bad_arguments_raise_naming_the_argument(kwargs, named):
         ClusterSketch(**kwargs)
 
 
+def test_the_old_mode_argument_names_the_component_that_replaced_it():
+    with pytest.raises(TypeError, match="KCenterSelector"):
+        ClusterSketch("kcenter")
+    with pytest.raises(TypeError, match="mode"):
+        ClusterSketch(mode="stream", radius=1.0)
+    for centres in (0, -1, 2.0, True):
+        with pytest.raises(ValueError, match="KCenterSelector\\(centres="):
+            KCenterSelector(centres=centres)
+
+
 def test_params_rebuild_an_equal_component():
     sketch = ClusterSketch(radius=0.5, samples_per_cluster=2, value_samples=3, max_clusters=4, seed=9)
     assert ClusterSketch(**sketch.params()) == sketch
-    assert ClusterSketch(mode="kcenter", centres=16) != ClusterSketch(mode="kcenter", centres=8)
+    assert KCenterSelector(**KCenterSelector(centres=16).params()) == KCenterSelector(centres=16)
+    assert KCenterSelector(centres=16) != KCenterSelector(centres=8)
 
 
 def test_bad_shapes_raise():
@@ -401,5 +407,3 @@ def test_bad_shapes_raise():
         kcenter_select(keys, mask[..., 0], 0)
     with pytest.raises(ValueError, match="candidates"):
         kcenter_select(torch.zeros(2, 2, 6, 4), torch.ones(2, 2, 5, dtype=torch.bool), 2)
-    with pytest.raises(ValueError, match="only mode='stream'"):
-        ClusterSketch(mode="kcenter").allocate(1, 1, 4, 4, torch.float32)

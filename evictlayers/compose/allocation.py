@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from evictlayers.scoring import Component
+from evictlayers.core import Component
 
 
 class Allocation(Component):

@@ -1,8 +1,9 @@
-"""Policy: an ordered set of modules plus a budget, and the ranking it imposes on slots."""
+"""Policy: the validated, comparable configuration of what a layer keeps (modules, budget, drop amount,
+allocation, storage, positions). What runs at each step is built from it: ``compose/ranking.py`` ranks
+the slots, ``compose/store.py`` holds them."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -11,12 +12,10 @@ from torch import nn
 from evictlayers.compose.allocation import Allocation, Uniform
 from evictlayers.compose.positions import POSITIONS
 from evictlayers.compose.selection import SelectorSet
+from evictlayers.core import Component
 from evictlayers.kernels import GQA_REDUCTIONS
-from evictlayers.modules import ClusterSketch, DenseKV, HeavyHitterSelector, Protection, QuantizedKV, RecentWindow
-from evictlayers.modules.cluster_sketch import TIE_TOLERANCE
-from evictlayers.scoring import Component, Observation, SlotView
+from evictlayers.modules import ClusterSketch, DenseKV, KCenterSelector, Protection, QuantizedKV, RecentWindow, Selector
 
-SELECTORS = (HeavyHitterSelector,)  # ClusterSketch(mode="kcenter") is one too
 STORAGES = (DenseKV, QuantizedKV)
 
 
@@ -39,11 +38,11 @@ class Policy(nn.Module):
     dtype) or ``QuantizedKV(bits, group, residual)``.
     Several ``HeavyHitterSelector`` may share the unprotected slots, each with a ``share`` (fractions
     summing to 1; ``compose/selection.py``): e.g. half by averaged attention, half by key diversity.
-    ``ClusterSketch`` (ClusterGen) comes in two modes. ``mode="stream"`` is no selector: the tokens
-    eviction frees are absorbed into a fixed-size sketch (Algorithm 1) and attention is the exact slots
-    merged with the sketch; it needs a ``RecentWindow`` (or a ``HeavyHitterSelector``) to say which
-    tokens stay exact. ``mode="kcenter"`` is a selector (Sec. 4): beside a ``RecentWindow(l)`` it keeps
-    ``k`` centres among the older keys, ``budget = l + k`` (Table 2).
+    ``KCenterSelector`` (ClusterGen Sec. 4) is a selector too: beside a ``RecentWindow(l)`` it keeps ``k``
+    centres among the older keys, ``budget = l + k`` (Table 2). ``ClusterSketch`` (ClusterGen Algorithm 1)
+    is what happens to an evicted token: instead of being forgotten it is absorbed into a fixed-size
+    sketch, and attention is the exact slots merged with the sketch; it needs a ``RecentWindow`` (or a
+    selector) to say which tokens stay exact.
     ``drop`` is how many tokens go at once when a head exceeds its budget: ``1`` (H2O Algorithm 1,
     at most one eviction per step) or Scissorhands' drop amount ``m`` (Algorithm 2), an ``int`` or a
     ``float`` fraction of the budget (the paper uses ``m = 0.5 B``). ``allocation`` splits the budget
@@ -66,22 +65,19 @@ class Policy(nn.Module):
     ):
         super().__init__()
         protections: list[Protection] = []
-        selectors: list[nn.Module] = []
+        selectors: list[Selector] = []
         sketches: list[ClusterSketch] = []
         for index, module in enumerate(modules):
             if isinstance(module, Protection):
                 protections.append(module)
             elif isinstance(module, ClusterSketch):
                 sketches.append(module)
-                if module.mode == "kcenter":
-                    selectors.append(module)
-            elif isinstance(module, SELECTORS):
+            elif isinstance(module, Selector):
                 selectors.append(module)
             else:
                 raise TypeError(
                     f"Policy module #{index} is {module!r}; expected a protection (RecentWindow, SinkTokens), "
-                    "a selector (HeavyHitterSelector, ClusterSketch(mode='kcenter')) or "
-                    "ClusterSketch(mode='stream')"
+                    "a selector (HeavyHitterSelector, KCenterSelector) or a ClusterSketch"
                 )
         kinds = [type(m).__name__ for m in protections]
         for kind in set(kinds):
@@ -90,7 +86,9 @@ class Policy(nn.Module):
         if len(sketches) > 1:
             raise ValueError(f"Policy has {len(sketches)} ClusterSketch modules; give it at most one")
         selector_set = SelectorSet(selectors) if selectors else None
-        self._check_sketch(sketches[0] if sketches else None, protections, selectors, budget)
+        self._check_sketch(sketches[0] if sketches else None, protections, selectors)
+        kcenters = [m for m in selectors if isinstance(m, KCenterSelector)]
+        self._check_kcenter(kcenters[0] if kcenters else None, protections, budget)
         open_ended = [m for m in protections if m.params().get("size", 0) is None]
         if open_ended and selectors:
             raise ValueError(
@@ -111,17 +109,16 @@ class Policy(nn.Module):
             )
         if positions not in POSITIONS:
             raise ValueError(f"Policy(positions={positions!r}): expected one of {POSITIONS}")
-        if positions == "rolling" and sketches and sketches[0].mode == "stream":
+        if positions == "rolling" and sketches:
             raise ValueError(
-                "Policy(positions='rolling') cannot hold ClusterSketch(mode='stream'): the sketch merges evicted "
+                "Policy(positions='rolling') cannot hold a ClusterSketch: the sketch merges evicted "
                 "keys into position-less clusters, so there is no rank to re-rotate them to; use "
                 "positions='absolute' with the sketch"
             )
         # the open-ended RecentWindow reserves last: it takes what the others leave
         self.protections = nn.ModuleList(sorted(protections, key=lambda m: m in open_ended))
         self.selectors = selector_set
-        # the stream-mode sketch: absorbs what eviction frees (a k-center sketch is the selector)
-        self.sketch = sketches[0] if sketches and sketches[0].mode == "stream" else None
+        self.sketch = sketches[0] if sketches else None  # absorbs what eviction frees
         self.budget = budget
         self.drop = drop
         self.allocation = allocation if allocation is not None else Uniform()
@@ -132,36 +129,38 @@ class Policy(nn.Module):
             self._check_fits(torch.tensor([budget]), where=f"budget={budget} tokens per head")
 
     @staticmethod
-    def _check_sketch(sketch, protections: list, selectors: list, budget: Any) -> None:
-        """ClusterGen's compositions: a recent window beside the sketch (Sec. 4), ``budget = l + k``."""
-        if sketch is None:
+    def _check_sketch(sketch: ClusterSketch | None, protections: list, selectors: list) -> None:
+        """The sketch absorbs what leaves the exact slots, so something must say which tokens stay exact."""
+        if sketch is not None and not any(isinstance(m, RecentWindow) for m in protections) and not selectors:
+            raise ValueError(
+                "ClusterSketch absorbs the tokens that leave the exact slots, so the policy must say which "
+                "tokens stay exact: add a RecentWindow (ClusterGen keeps the most recent tokens exact) or a selector"
+            )
+
+    @staticmethod
+    def _check_kcenter(kcenter: KCenterSelector | None, protections: list, budget: Any) -> None:
+        """ClusterGen's composition (Sec. 4): a recent window beside the centres, ``budget = l + k``."""
+        if kcenter is None:
             return
-        windows = [m for m in protections if isinstance(m, RecentWindow)]
-        if sketch.mode == "kcenter" and not windows:
+        if not any(isinstance(m, RecentWindow) for m in protections):
             raise ValueError(
-                "ClusterSketch(mode='kcenter') keeps k centres beside the most recent l tokens (ClusterGen "
-                "Sec. 4, budget = l + k): add a RecentWindow(l) to the policy"
+                "KCenterSelector keeps k centres beside the most recent l tokens (ClusterGen Sec. 4, "
+                "budget = l + k): add a RecentWindow(l) to the policy"
             )
-        if sketch.mode == "stream" and not windows and not selectors:
-            raise ValueError(
-                "ClusterSketch(mode='stream') absorbs the tokens that leave the exact slots, so the policy "
-                "must say which tokens stay exact: add a RecentWindow (ClusterGen keeps the most recent "
-                "tokens exact) or a HeavyHitterSelector"
-            )
-        if sketch.mode != "kcenter" or sketch.centres is None:
+        if kcenter.centres is None:
             return
         if not isinstance(budget, int) or isinstance(budget, bool):
             raise ValueError(
-                f"ClusterSketch(centres={sketch.centres}) fixes k, so the budget must be the int l + k "
+                f"KCenterSelector(centres={kcenter.centres}) fixes k, so the budget must be the int l + k "
                 f"(ClusterGen Table 2); got {_describe_budget(budget)}. Give an int budget, or leave "
                 "centres=None to take the share of the budget the protections leave"
             )
         reserved = sum(int(p.reserved(torch.tensor([budget]), torch.tensor([0]))[0]) for p in protections)
-        if budget - reserved != sketch.centres:
+        if budget - reserved != kcenter.centres:
             raise ValueError(
-                f"ClusterSketch(centres={sketch.centres}): budget={budget} minus the protected slots "
+                f"KCenterSelector(centres={kcenter.centres}): budget={budget} minus the protected slots "
                 f"({reserved}) leaves {budget - reserved} centres; ClusterGen's budget is l + k, so set "
-                f"budget={reserved + sketch.centres} or centres=None"
+                f"budget={reserved + kcenter.centres} or centres=None"
             )
 
     @staticmethod
@@ -194,7 +193,7 @@ class Policy(nn.Module):
 
     @property
     def modules_in_order(self) -> list[nn.Module]:
-        """The modules as a recipe lists them: protections, the selector, then a stream-mode sketch."""
+        """The modules as a recipe lists them: protections, the selectors, then the sketch."""
         return [
             *self.protections,
             *(self.selectors.members if self.selectors is not None else []),
@@ -306,10 +305,10 @@ class Policy(nn.Module):
             return torch.full_like(budget, self.drop)
         return torch.floor(budget.double() * self.drop).long().clamp(min=1)
 
-    # ---- per-step scoring and ranking ----------------------------------------------------------
+    # ---- what the steps need ---------------------------------------------------------------------
 
     @property
-    def selector(self) -> nn.Module | None:
+    def selector(self) -> Selector | None:
         """The policy's only selector, ``None`` without one (several: see ``selectors``)."""
         if self.selectors is None or len(self.selectors.members) > 1:
             return None
@@ -338,77 +337,3 @@ class Policy(nn.Module):
     def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
         """``[B, Q]`` factor on the logits of the scoring softmax, or ``None`` to score with the model's."""
         return self.selectors.score_gain(query_pos, budget) if self.selectors is not None else None
-
-    @property
-    def kcenter(self) -> ClusterSketch | None:
-        """The selector when it is ``ClusterSketch(mode="kcenter")`` (it reads keys, not attention)."""
-        return self.selector if isinstance(self.selector, ClusterSketch) else None
-
-    @property
-    def tie_tolerance(self) -> float:
-        """Relative gap under which two priorities count as tied (the oldest slot goes first): 0 (exact)
-        except for scores that tie exactly in real arithmetic: k-center distances (``TIE_TOLERANCE``)
-        and the last selector's accumulator when it says so (``KeyNorm``: RoPE keeps a repeated token's
-        key norm)."""
-        if self.kcenter is not None:
-            return TIE_TOLERANCE
-        # eviction ranks by the last selector's score (earlier ones' claims sit at CLAIMED)
-        last = self.selectors.members[-1] if self.selectors is not None else None
-        return last.accumulator.tie_tolerance if isinstance(last, HeavyHitterSelector) else 0.0
-
-    def observe(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
-        """Let the scorers fold this step's attention (and, for k-center, the keys) into their state."""
-        if self.kcenter is not None:
-            self.kcenter.update(state, observation, view, candidates=self.candidates(view))
-        elif self.selectors is not None:
-            self.selectors.update(state, observation, view)
-
-    def forget(self, state: dict[str, torch.Tensor], keys: torch.Tensor, gone: torch.Tensor) -> None:
-        """Slots leave: ``keys`` ``[B, H_kv, n, D]`` where ``gone`` ``[B, H_kv, n]``; per-head state that
-        sums over held slots (``KeyDiff``'s anchor) drops them. Callers skip it without head state."""
-        if self.selectors is not None:
-            self.selectors.forget(state, keys, gone)
-
-    def select_centres(self, state: dict[str, torch.Tensor], keys: torch.Tensor, view: SlotView) -> None:
-        """After a multi-token step, before the top-``budget`` selection: greedy k-center over the
-        unprotected slots, ``k`` = the selector's share of each row's budget (a no-op without k-center)."""
-        if self.kcenter is None or view.budget is None:
-            return
-        reserved = self.reservations(view.budget)
-        share = view.budget - (torch.stack(reserved).sum(0) if reserved else 0)
-        self.kcenter.select_centres(state, keys, self.candidates(view), int(share.max()))
-
-    def settle(self, state: dict[str, torch.Tensor], keys: torch.Tensor, view: SlotView) -> None:
-        """After the top-``budget`` selection of a multi-token step, on the kept slots: the state the
-        decode steps maintain from then on (k-center's nearest-candidate gaps; a no-op otherwise)."""
-        if self.kcenter is not None and view.budget is not None:
-            self.kcenter.settle(state, keys, self.candidates(view))
-
-    def protected(self, view: SlotView) -> torch.Tensor:
-        """``[B, H_kv, N]`` bool: the slots a protection (RecentWindow, SinkTokens) holds."""
-        protected = torch.zeros_like(view.valid)
-        if view.budget is None:
-            return protected
-        for protection, reserved in zip(self.protections, self.reservations(view.budget), strict=True):
-            protected |= protection.protect(view, reserved)
-        return protected
-
-    def candidates(self, view: SlotView) -> torch.Tensor:
-        """``[B, H_kv, N]`` bool: occupied slots that no protection holds, the selector's to rank."""
-        return view.valid & ~self.protected(view)
-
-    def priority(self, state: dict[str, torch.Tensor], view: SlotView) -> torch.Tensor:
-        """``[B, H_kv, N]`` float: higher is kept longer; protected slots ``+inf``, empty ``-inf``."""
-        protected = self.protected(view)
-        if self.selectors is None:
-            rank = view.pos.float()
-        elif len(self.selectors.members) == 1 or view.budget is None:
-            rank = self.selectors.rank(state, view, view.valid & ~protected, None)
-        else:
-            reserved = self.reservations(view.budget)
-            selectable = view.budget - (torch.stack(reserved).sum(0) if reserved else 0)
-            rank = self.selectors.rank(state, view, view.valid & ~protected, selectable)
-        rank = rank.masked_fill(protected, math.inf)
-        if view.window is not None:  # out of every later query's window: the first to go, protected or not
-            rank = rank.masked_fill(view.stale, -math.inf)
-        return rank.masked_fill(~view.valid, -math.inf)

@@ -20,9 +20,10 @@ from typing import Callable
 
 import torch
 
+from evictlayers.core.slots import LAST
+
 POSITIONS = ("absolute", "rolling")
 
-_LAST = torch.iinfo(torch.long).max
 
 # (rows, device, dtype) -> (cos, sin), each [rows, R]: a model's rotary embedding at positions 0..rows-1
 RotaryFunction = Callable[[int, torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]]
@@ -67,7 +68,7 @@ def slot_ranks(pos: torch.Tensor) -> torch.Tensor:
     ``pos`` ``[B, H, N]`` (``-1`` = free). Free slots rank after every held one (their rank is never
     attended: the causal mask drops them). Fixed-shape (one sort, then its inverse permutation by a
     scatter), so it compiles."""
-    order = pos.masked_fill(pos < 0, _LAST).argsort(dim=-1)
+    order = pos.masked_fill(pos < 0, LAST).argsort(dim=-1)
     places = torch.arange(pos.shape[-1], device=pos.device).expand_as(order)
     return torch.empty_like(order).scatter_(-1, order, places)
 

@@ -34,10 +34,18 @@ import yaml
 
 from evictlayers.compose.allocation import Pyramid, Ramp, Uniform
 from evictlayers.compose.policy import Policy
-from evictlayers.modules import ClusterSketch, DenseKV, HeavyHitterSelector, QuantizedKV, RecentWindow, SinkTokens
+from evictlayers.core import Component
+from evictlayers.modules import (
+    ClusterSketch,
+    DenseKV,
+    HeavyHitterSelector,
+    KCenterSelector,
+    QuantizedKV,
+    RecentWindow,
+    SinkTokens,
+)
 from evictlayers.scoring import (
     Averaged,
-    Component,
     Cumulative,
     KeyDiff,
     KeyNorm,
@@ -53,8 +61,16 @@ COMPONENTS: dict[str, type[Component]] = {
     for cls in (
         RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged, Uniform, Ramp, Pyramid,
         Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV, QuantizedKV, ClusterSketch,
-        RecentThenCumulative, KeyDiff, KeyNorm,
+        RecentThenCumulative, KeyDiff, KeyNorm, KCenterSelector,
     )
+}
+# arguments a component no longer takes, with what replaced them (recipes written before keep failing clearly)
+MOVED_ARGUMENTS = {
+    ("ClusterSketch", "mode"): (
+        "ClusterSketch is the stream sketch only (drop `mode: stream`); `mode: kcenter` is now "
+        "`_component_: KCenterSelector` (with its `centres`)"
+    ),
+    ("ClusterSketch", "centres"): "k-center's centres belong to `_component_: KCenterSelector`",
 }
 POLICY_KEYS = ("budget", "modules", "drop", "allocation", "gqa_reduce", "storage", "positions")
 
@@ -81,6 +97,10 @@ def _build(node: Any, where: str, problems: list[str]) -> Any:
     kwargs, ok = {}, True
     for key, value in node.items():
         if key == "_component_":
+            continue
+        if (name, key) in MOVED_ARGUMENTS:
+            problems.append(f"{where}.{key}: {MOVED_ARGUMENTS[name, key]}")
+            ok = False
             continue
         if key not in allowed:
             problems.append(f"{where}.{key}: unknown argument of {name}; allowed: {', '.join(allowed) or 'none'}")

@@ -16,7 +16,7 @@ import dataclasses
 import torch
 from torch import nn
 
-from evictlayers.modules import ClusterSketch, HeavyHitterSelector
+from evictlayers.modules import HeavyHitterSelector, Selector
 from evictlayers.scoring import Observation, SlotView
 
 CLAIMED = torch.finfo(torch.float32).max  # above every score, below a protected slot's +inf
@@ -53,7 +53,7 @@ class SelectorSet(nn.Module):
     State names are the selector's own for a single selector and ``"<index>.<name>"`` for several, so
     two selectors may use the same accumulator type."""
 
-    def __init__(self, selectors: list[nn.Module]):
+    def __init__(self, selectors: list[Selector]):
         super().__init__()
         self.members = nn.ModuleList(selectors)
         if len(selectors) == 1:
@@ -67,12 +67,12 @@ class SelectorSet(nn.Module):
         self._check_several(selectors)
 
     @staticmethod
-    def _check_several(selectors: list[nn.Module]) -> None:
+    def _check_several(selectors: list[Selector]) -> None:
         names = ", ".join(f"{type(m).__name__}({m.extra_repr()})" for m in selectors)
         if not all(isinstance(m, HeavyHitterSelector) for m in selectors):
             raise ValueError(
                 f"Policy has {len(selectors)} selectors ({names}); several selectors must all be "
-                "HeavyHitterSelector (ClusterSketch(mode='kcenter') is a policy's only selector)"
+                "HeavyHitterSelector (KCenterSelector is a policy's only selector)"
             )
         shares = [m.share for m in selectors]
         if any(share is None for share in shares):
@@ -103,7 +103,7 @@ class SelectorSet(nn.Module):
         return {
             self._prefix(i) + name: shape
             for i, member in enumerate(self.members)
-            for name, shape in getattr(member, attribute, {}).items()
+            for name, shape in getattr(member, attribute).items()
         }
 
     @property
@@ -132,9 +132,10 @@ class SelectorSet(nn.Module):
         return any(member.reads_mass for member in self.members)
 
     def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
-        for member in self.members:
-            if getattr(member, "transform", None) is not None:
-                return member.score_gain(query_pos, budget)
+        for member in self.members:  # at most one member changes the softmax (checked at construction)
+            gain = member.score_gain(query_pos, budget)
+            if gain is not None:
+                return gain
         return None
 
     def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
@@ -149,8 +150,26 @@ class SelectorSet(nn.Module):
 
     def forget(self, state: dict[str, torch.Tensor], keys: torch.Tensor, gone: torch.Tensor) -> None:
         for index, member in enumerate(self.members):
-            if getattr(member, "head_state_specs", None):
-                member.forget(self._part(index, state), keys, gone)
+            member.forget(self._part(index, state), keys, gone)
+
+    @property
+    def reads_candidates(self) -> bool:
+        return any(member.reads_candidates for member in self.members)
+
+    @property
+    def tie_tolerance(self) -> float:
+        # eviction ranks by the last member's score (earlier members' claims sit at CLAIMED)
+        return self.members[-1].tie_tolerance
+
+    def prepare(self, state: dict[str, torch.Tensor], view: SlotView, selectable: torch.Tensor) -> None:
+        """Before a multi-token step's selection: each member's ``prepare`` with the slots it fills of
+        ``selectable`` ``[B]`` unprotected slots."""
+        for index, (member, count) in enumerate(zip(self.members, self.counts(selectable), strict=True)):
+            member.prepare(self._part(index, state), view, count)
+
+    def settle(self, state: dict[str, torch.Tensor], view: SlotView) -> None:
+        for index, member in enumerate(self.members):
+            member.settle(self._part(index, state), view)
 
     def counts(self, selectable: torch.Tensor) -> list[torch.Tensor]:
         """``[B]`` int64 slots each member fills out of ``selectable`` ``[B]`` unprotected slots: shares

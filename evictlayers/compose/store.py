@@ -1,25 +1,31 @@
-"""One layer's slot store: fixed rectangular slots, per-head token sets, eviction in place.
+"""One layer's runtime object: fixed rectangular slots, per-head token sets, eviction in place.
 
-DESIGN.md "The cache": ``keys``/``values`` are ``[B, H_kv, C, D]``, ``pos`` is ``[B, H_kv, C]`` (original
-position, ``-1`` = empty) and the policy's state tensors ride along per slot. After every step a
-budgeted store holds at most ``budget`` tokens per head in ``budget + 1`` slots: the spare slot is
-where the next decoded token lands, so decoding never moves memory (H2O Appendix A).
+DESIGN.md "The cache" and "One runtime object per layer": ``keys``/``values`` are ``[B, H_kv, C, D]``,
+``pos`` is ``[B, H_kv, C]`` (original position, ``-1`` = empty), and the policy's state tensors, the
+rolling ranks, the tokens seen, the budget and the sketch buffers live here too. The store allocates,
+grows, reorders (beam search), evicts and reports its bytes itself; the Hugging Face cache layer only
+hands it tensors. After every step a budgeted store holds at most ``budget`` tokens per head in
+``budget + 1`` slots: the spare slot is where the next decoded token lands, so decoding never moves
+memory (H2O Appendix A).
 """
 
 from __future__ import annotations
 
 import torch
 
-from evictlayers.compose.decode_step import along_slots, compiled_decode_step, decode_step
+from evictlayers.compose import ranking
+from evictlayers.compose.decode_step import compiled_decode_step, decode_step
+from evictlayers.compose.eviction import choose_evicted, excess
 from evictlayers.compose.policy import Policy
 from evictlayers.compose.positions import RotaryTable, rotate_at, rotate_queries, slot_ranks
+from evictlayers.compose.sketching import absorb_evicted, merge_sketch
+from evictlayers.core import Component
+from evictlayers.core.slots import along_slots, pad_slots
 from evictlayers.kernels import apply_attention_sinks, prefill_attention
-from evictlayers.modules.cluster_sketch import CoinTable, SketchState, merge_with_exact
-from evictlayers.scoring import Component, Observation, SlotView
+from evictlayers.modules.cluster_sketch import CoinTable, SketchState
+from evictlayers.scoring import Observation, SlotView
 
 COIN_TABLE_TOKENS = 16  # a decode step's sketch coins are hashed ahead for this many absorbed tokens per head
-
-_LAST = torch.iinfo(torch.long).max
 
 
 class CompileError(RuntimeError):
@@ -79,7 +85,7 @@ class SlotStore:
         self.seen: torch.Tensor | None = None  # [B] real tokens per row
         self.budget: torch.Tensor | None = None  # [B] tokens per head, None = unbounded
         self.seq_len = 0  # columns fed so far, padding included (what transformers calls tokens seen)
-        # ClusterSketch (stream mode): the evicted tokens of every (row, KV head), fixed-size buffers
+        # ClusterSketch: the evicted tokens of every (row, KV head), fixed-size buffers
         self.sketch: SketchState | None = None
         self._coins: CoinTable | None = None  # the sketch's coins for the next decode steps
         self._coin_room = 0  # decode steps the coin table still covers
@@ -133,6 +139,49 @@ class SlotStore:
             "bytes": int(stats["bytes"]) + self.sketch.salt.nbytes
             + (self._coins.nbytes() if self._coins is not None else 0),
         }
+
+    def stats(self) -> dict:
+        """This layer's entry of ``EvictionCache.stats()`` (which documents the keys)."""
+        started = self.kv is not None
+        sketch = self.sketch_stats()
+        return {
+            "kind": "sliding" if self.window is not None else "attention",
+            "bound": self.bound if started else None,
+            "retained_tokens": int(self.retained().max()) if started else 0,
+            "seen_tokens": int(self.seen.max()) if started else 0,
+            "kv_bytes": self.kv_bytes(),
+            "state_bytes": self.state_bytes(),
+            "sketch_clusters": sketch["clusters"],
+            "sketch_samples": sketch["samples"],
+            "sketch_absorbed": sketch["absorbed"],
+            "sketch_bytes": sketch["bytes"],
+        }
+
+    # ---- whole-store changes -------------------------------------------------------------------
+
+    def reorder(self, index: torch.Tensor) -> None:
+        """Reorder (or repeat) the batch in place, row ``i`` becoming row ``index[i]`` (beam search): every
+        per-row tensor follows its row, the sketch of each row's evicted tokens included."""
+        if self.kv is None:
+            return
+        index = index.to(self.pos.device)
+        self.kv.index_select_batch(index)
+        self.pos = self.pos.index_select(0, index)
+        if self.ranks is not None:
+            self.ranks = self.ranks.index_select(0, index)
+        self.state = {name: t.index_select(0, index) for name, t in self.state.items()}
+        self.seen = self.seen.index_select(0, index)
+        if self.budget is not None:
+            self.budget = self.budget.index_select(0, index)
+        if self.sketch is not None:
+            self.sketch = self.sketch.index_select_batch(index)
+            self.invalidate_coins()
+
+    def reset(self) -> None:
+        """Forget every token, the sketch included: the next step starts the layer afresh."""
+        self.__init__(
+            self.policy, self.layer_idx, self.num_layers, compile=self.compile, rotary=self.rotary, window=self.window
+        )
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -202,7 +251,7 @@ class SlotStore:
             raise ValueError(f"this cache holds {self.seen.shape[0]} sequences but the step has batch size {batch}")
         if sinks is not None and self.sketch is not None:
             raise ValueError(
-                "a stream-mode ClusterSketch cannot be merged with learned attention sinks (the model passes "
+                "a ClusterSketch cannot be merged with learned attention sinks (the model passes "
                 "s_aux/sinks): use a policy without the sketch for this model"
             )
         if q_len == 1 and self.kv is not None:
@@ -233,7 +282,9 @@ class SlotStore:
         )
         out = attention.out
         if merge:
-            out = self._merge_sketch(query, out, lse, query_pos, scaling=scaling, softcap=softcap)
+            out = merge_sketch(
+                self.policy.sketch, self.sketch, query, out, lse, query_pos, scaling=scaling, softcap=softcap
+            )
         if sinks is not None:
             out = apply_attention_sinks(out, lse, sinks)
         n_rows = attention.rows.shape[2]
@@ -250,8 +301,8 @@ class SlotStore:
         self.seen = self.seen + real.sum(1)
         self.seq_len += q_len
         view = SlotView(pos=pos, seen=self.seen, budget=self.budget, keys=keys, window=sliding_window)
-        self.policy.observe(state, observation, view)
-        self.policy.select_centres(state, keys, view)
+        ranking.observe(self.policy, state, observation, view)
+        ranking.prepare(self.policy, state, view)
         if self.kv is None:
             slots = self.policy.storage.from_dense(keys, values, pos, layer=self.layer_idx)
         else:
@@ -286,11 +337,7 @@ class SlotStore:
         if self.policy.positions == "rolling":  # ranks stay below the capacity
             table = self.rotary.rows(self.capacity, key.device, key.dtype)
         try:
-            out, self.seen = step(
-                self.policy, self.most, self.kv, self.pos, self.state, self.seen, self.budget,
-                query, key, value, real, **attention_kwargs, sketch=self.sketch, coins=self._step_coins(),
-                rotary=table, ranks=self.ranks,
-            )
+            out = step(self, query, key, value, real, **attention_kwargs, rotary=table, coins=self._step_coins())
         except torch._dynamo.exc.TorchDynamoException as error:
             raise CompileError(
                 f"evictlayers could not compile the decode step of layer {self.layer_idx} under {self.policy!r}: "
@@ -303,7 +350,7 @@ class SlotStore:
     # ---- the ClusterSketch of evicted tokens ----------------------------------------------------
 
     def _allocate_sketch(self, key: torch.Tensor, value: torch.Tensor, sliding_window: int | None) -> None:
-        """One sketch per layer, at the first step, when the policy has a stream-mode ClusterSketch and
+        """One sketch per layer, at the first step, when the policy has a ClusterSketch and
         the layer can evict. A sliding-window layer gets none: the sketch keeps no positions, so it could
         not forget the tokens that slide out of the window; its evicted tokens are dropped as usual."""
         sketch = self.policy.sketch
@@ -330,39 +377,6 @@ class SlotStore:
     def invalidate_coins(self) -> None:
         """Drop the coin table (the sketch was changed outside a decode step: prefill, beam reorder)."""
         self._coins, self._coin_room = None, 0
-
-    def _merge_sketch(self, query, out, lse, query_pos, *, scaling: float, softcap: float | None) -> torch.Tensor:
-        """``out`` ``[B, H_q, Q, D_v]`` of a multi-token step merged with the sketch (every absorbed token
-        precedes every query of the step, so all of them see all of it); padding queries stay zero."""
-        batch, q_heads, q_len, head_dim = query.shape
-        group = q_heads // self.sketch.representatives.shape[1] * q_len  # queries per KV head
-        flat = query.reshape(batch, q_heads * q_len, head_dim)  # (h_kv, g, q) order, as the group needs
-        terms = self.policy.sketch.sketch_terms(self.sketch, flat, scaling, group, softcap=softcap)
-        merged = merge_with_exact(out.reshape(batch, q_heads * q_len, -1), lse.reshape(batch, -1), *terms)
-        merged = merged.view(batch, q_heads, q_len, -1)
-        return torch.where((query_pos >= 0)[:, None, :, None], merged, torch.zeros_like(merged))
-
-    def _absorb_dropped(self, keys, values, pos, dropped: torch.Tensor) -> None:
-        """Feed the slots ``dropped`` ``[B, H, N]`` to the sketch in position order (the stream order of
-        Algorithm 1); one masked pass per token of the head that drops the most (Algorithm 1 is
-        sequential: each token's cluster depends on the clusters before it)."""
-        count = int(dropped.sum(-1).max())
-        if count == 0:
-            return
-        self.invalidate_coins()
-        order = pos.masked_fill(~dropped, _LAST).argsort(-1)[..., :count]  # [B, H, count]
-        sketch = self.policy.sketch
-        for start in range(0, count, 1024):
-            block = order[..., start : start + 1024]
-            # the block's coins hashed at once (a head absorbs at most the block's width of tokens)
-            coins = sketch.coin_table(self.sketch, block.shape[-1])
-            sketch.absorb(
-                self.sketch,
-                keys.gather(2, along_slots(block, keys)),
-                values.gather(2, along_slots(block, values)),
-                dropped.gather(2, block),
-                coins,
-            )
 
     # ---- slot bookkeeping ----------------------------------------------------------------------
 
@@ -404,13 +418,14 @@ class SlotStore:
 
     def _grow(self, extra: int) -> None:
         self.kv.grow(extra)
-        self.pos = _pad_slots(self.pos, extra, -1)
+        self.pos = pad_slots(self.pos, extra, -1)
         if self.ranks is not None:
-            self.ranks = _pad_slots(self.ranks, extra, 0)
-        self.state = self._per_slot(self.state, lambda t: _pad_slots(t, extra, 0.0))
+            self.ranks = pad_slots(self.ranks, extra, 0)
+        self.state = self._per_slot(self.state, lambda t: pad_slots(t, extra, 0.0))
 
     def _keep_best(self, slots, pos, state, view: SlotView) -> None:
-        """After a multi-token step: keep each head's top-``budget`` slots in a ``budget + 1`` store.
+        """After a multi-token step: each head keeps its best ``budget`` slots (``compose/eviction.py``, the
+        rule a decode step evicts by), compacted into a ``budget + 1`` store in slot order.
 
         ``slots`` is the storage holding the old slots followed by the step's tokens (``pos`` order)."""
         if self.budget is None:
@@ -420,35 +435,24 @@ class SlotStore:
         self.most = min(int(self.policy.drop_amount(self.budget).max()), keep + 1)
         if self.bound == "window":  # one token slides out of the window a step: drop it, not a batch of m
             self.most = 1
-        n_slots = pos.shape[2]
-        priority = self.policy.priority(state, view)
-        top = min(keep, n_slots)
-        # equal priorities keep the newest token, as a decode step evicts the oldest of a tie
-        newest_first = pos.argsort(dim=-1, descending=True, stable=True)
-        ranked = priority.gather(-1, newest_first).argsort(dim=-1, descending=True, stable=True)[..., :top]
-        order = newest_first.gather(-1, ranked)  # [B, H, top]
-        # rows whose own budget is below the batch maximum drop their lowest-ranked picks
-        rank_ok = torch.arange(top, device=pos.device)[None, None, :] < self.budget[:, None, None]
-        spare = keep + 1 - top  # the capacity is budget + 1 whatever the step's width
-        self.pos = _pad_slots(pos.gather(2, order).masked_fill(~rank_ok, -1), spare, -1)
-        if self.sketch is not None or self.policy.head_state_specs:
-            kept_slots = torch.zeros_like(pos, dtype=torch.bool).scatter_(2, order, rank_ok.expand_as(order))
-            dropped = (pos >= 0) & ~kept_slots
-            if self.sketch is not None:
-                # everything the top-budget selection drops is absorbed (after the step's own exact attention)
-                self._absorb_dropped(*slots.dense(), pos, dropped)
+        drop = excess(view.valid.sum(-1), self.budget)  # [B, H]
+        width = int(drop.max())
+        if width:
+            victims, chosen = choose_evicted(ranking.priority(self.policy, state, view), pos, drop, width)
+            if self.sketch is not None:  # everything dropped is absorbed (after the step's own exact attention)
+                self.invalidate_coins()
+                absorb_evicted(self.policy.sketch, self.sketch, *slots.dense(), pos, victims, chosen)
             if self.policy.head_state_specs:
-                self.policy.forget(state, view.keys, dropped)
+                ranking.forget(self.policy, state, view.keys.gather(2, along_slots(victims, view.keys)), chosen)
+            pos = pos.scatter(2, victims, torch.where(chosen, -1, pos.gather(2, victims)))
+        # the held slots first, in slot order; the capacity is budget + 1 whatever the step's width
+        order = (pos < 0).to(torch.int8).argsort(dim=-1, stable=True)[..., : min(keep, pos.shape[2])]
+        spare = keep + 1 - order.shape[-1]
+        self.pos = pad_slots(pos.gather(2, order), spare, -1)
         self.kv = slots.gather(order)
         self.kv.grow(spare)
-        self.state = self._per_slot(state, lambda t: _pad_slots(t.gather(2, along_slots(order, t)), spare, 0.0))
-        self.policy.settle(
-            self.state, self.keys,
-            SlotView(pos=self.pos, seen=self.seen, budget=self.budget, keys=self.keys, window=view.window),
+        self.state = self._per_slot(state, lambda t: pad_slots(t.gather(2, along_slots(order, t)), spare, 0.0))
+        keys = self.keys
+        ranking.settle(
+            self.policy, self.state, SlotView(pos=self.pos, seen=self.seen, budget=self.budget, keys=keys, window=view.window)
         )
-
-
-def _pad_slots(tensor: torch.Tensor, extra: int, fill: float) -> torch.Tensor:
-    """``tensor`` with ``extra`` more slots (dim 2) holding ``fill``."""
-    pad = tensor.new_full((*tensor.shape[:2], extra, *tensor.shape[3:]), fill)
-    return torch.cat([tensor, pad], dim=2)

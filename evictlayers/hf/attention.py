@@ -12,11 +12,11 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from evictlayers.compose.positions import rotate_at, rotate_queries
+from evictlayers.compose import Policy, SlotStore
 from evictlayers.hf.support import REFUSED_KEYWORDS, UnsupportedModelError, original_class
-from evictlayers.kernels import apply_attention_sinks, prefill_attention
 
 ATTENTION_NAME = "evictlayers"
+FULL, ROLLING_FULL = Policy(), Policy(positions="rolling")  # what a call without a cache attends with
 
 
 def no_index_mask(*args, **kwargs) -> None:
@@ -74,20 +74,11 @@ def evicting_attention(
             )
         out = layer.attend(query, run.real_tokens(layer.store.seq_len, query.shape[2]), **options, sinks=sinks)
     else:
-        # no cache (use_cache=False): plain causal attention, nothing to keep
-        real = run.real_tokens(0, query.shape[2])
-        if real is None:
-            real = torch.ones(query.shape[0], query.shape[2], dtype=torch.bool, device=query.device)
-        pos = torch.where(real, real.long().cumsum(1) - 1, -1)
-        key_pos = pos[:, None, :].expand(-1, key.shape[1], -1)
-        if run.rotary is not None:  # rolling positions: nothing is evicted, so each rank is its position
-            table = run.rotary[module.layer_idx].rows(key.shape[2], key.device, key.dtype)
-            ranks = key_pos.clamp(min=0)
-            query, key = rotate_queries(query, ranks, table), rotate_at(key, ranks, table)
-        lse = None if sinks is None else torch.empty(query.shape[:3], dtype=torch.float32, device=query.device)
-        out = prefill_attention(query, key, value, pos, key_pos, **options, need_mass=False, lse_out=lse).out
-        if sinks is not None:
-            out = apply_attention_sinks(out, lse, sinks)
+        # no cache (use_cache=False): a full slot store used for this call only, so positions, rotation
+        # and masking are the ones every cached step uses
+        table = run.rotary[module.layer_idx] if run.rotary is not None else None
+        store = SlotStore(ROLLING_FULL if table is not None else FULL, module.layer_idx, rotary=table)
+        out = store.step(query, key, value, run.real_tokens(0, query.shape[2]), **options, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -83,30 +83,11 @@ class EvictionLayer(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Reorder the batch (beam search): every per-row tensor follows its row."""
-        store = self.store
-        if store.kv is None:
-            return
-        index = beam_idx.to(store.pos.device)
-        store.kv.index_select_batch(index)
-        store.pos = store.pos.index_select(0, index)
-        if store.ranks is not None:
-            store.ranks = store.ranks.index_select(0, index)
-        store.state = {name: t.index_select(0, index) for name, t in store.state.items()}
-        store.seen = store.seen.index_select(0, index)
-        if store.budget is not None:
-            store.budget = store.budget.index_select(0, index)
-        if store.sketch is not None:  # the ClusterSketch of each row's evicted tokens follows its row
-            for name, tensor in store.sketch.tensors().items():
-                setattr(store.sketch, name, tensor.index_select(0, index))
-            store.invalidate_coins()
+        self.store.reorder(beam_idx)
 
     def reset(self) -> None:
         """Forget everything, the ClusterSketch included: the next step starts a new one."""
-        store = self.store
-        self.store = SlotStore(
-            store.policy, store.layer_idx, store.num_layers, compile=store.compile, rotary=store.rotary,
-            window=store.window,
-        )
+        self.store.reset()
         self.staged = None
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -201,7 +182,7 @@ class EvictionCache(Cache):
         grows). ``retained_tokens`` is the most any head of the layer keeps, ``seen_tokens`` the most real
         tokens any row has fed, ``kv_bytes`` the bytes the layer's key/value slots occupy and
         ``state_bytes`` those of its bookkeeping (slot positions and the policy's per-slot state).
-        With a stream-mode ``ClusterSketch``: ``sketch_clusters``, ``sketch_samples`` (key samples of
+        With a ``ClusterSketch``: ``sketch_clusters``, ``sketch_samples`` (key samples of
         the clusters in use plus value samples) and ``sketch_absorbed`` tokens are the most any head
         holds, ``sketch_bytes`` the size of the layer's sketch buffers, fixed whatever the number of
         tokens absorbed (all 0 without a sketch). The totals are sums over layers.
@@ -211,23 +192,7 @@ class EvictionCache(Cache):
             if not isinstance(layer, EvictionLayer):
                 layers.append({"kind": "carried", "bound": None, **dict.fromkeys(_COUNTS, 0)})
                 continue
-            store = layer.store
-            started = store.kv is not None
-            sketch = store.sketch_stats()
-            layers.append(
-                {
-                    "kind": "sliding" if store.window is not None else "attention",
-                    "bound": store.bound if started else None,
-                    "retained_tokens": int(store.retained().max()) if started else 0,
-                    "seen_tokens": int(store.seen.max()) if started else 0,
-                    "kv_bytes": store.kv_bytes(),
-                    "state_bytes": store.state_bytes(),
-                    "sketch_clusters": sketch["clusters"],
-                    "sketch_samples": sketch["samples"],
-                    "sketch_absorbed": sketch["absorbed"],
-                    "sketch_bytes": sketch["bytes"],
-                }
-            )
+            layers.append(layer.store.stats())
         return {
             "kv_bytes": sum(entry["kv_bytes"] for entry in layers),
             "state_bytes": sum(entry["state_bytes"] for entry in layers),

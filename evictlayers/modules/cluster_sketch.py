@@ -1,8 +1,9 @@
 """ClusterGen (Algorithm 1 of "ClusterGen: token generation in sublinear time and memory with
 clustering KV cache", shared/seeds/004) on fixed-size buffers: a sketch that absorbs the tokens the
-slot store evicts instead of forgetting them, and the greedy k-center selector of its Sec. 4.
+slot store evicts instead of forgetting them. (The greedy k-center selector of its Sec. 4 is
+``modules/kcenter_selector.py``.)
 
-Stream mode (Algorithm 1). Per (batch row, KV head) the sketch holds
+Per (batch row, KV head) the sketch holds
 
 - ``D`` (UpdateSoftmaxNormalizer, lines 11-21): at most ``M`` clusters, each a representative key
   ``x_i`` (the first key assigned to it), a count ``n_i`` and ``t`` uniform reservoir samples ``S_i``
@@ -17,9 +18,6 @@ and QueryStreamAttn (lines 28-30) estimates ``exp(K q)^T V`` by
 the retained slots are attended exactly and both parts are merged through numerators and normalisers
 (``sketch_terms`` + ``merge_with_exact``), the split DESIGN.md describes.
 
-k-center mode (Sec. 4): ``kcenter_select`` picks ``k`` slots by greedy farthest-point k-center over
-the keys the protections (RecentWindow: the paper's "most recent l tokens") leave as candidates.
-
 Deviations from the paper, each for the fixed shapes a compiled decode step needs:
 
 1. Bounded cluster count. Algorithm 1 opens a cluster whenever a key is farther than ``delta`` from
@@ -29,111 +27,25 @@ Deviations from the paper, each for the fixed shapes a compiled decode step need
    are ``(max_clusters, delta)``-clusterable this never happens (Theorem 2.4's memory argument, lines
    304-310); when it does, that cluster's samples span more than ``2 delta`` and the ``e^{2 delta r}``
    factor of Theorem 2.4 no longer bounds its spread.
-2. Randomness. The coins of lines 16 and 25 are uniforms computed by a counter-based hash of
-   ``(seed, layer, KV head, index of the token in that head's absorbed stream, coin index)``, not
-   drawn from a ``torch.Generator``: a shared generator's draws depend on the batch composition (a row
-   would sample differently beside another row than alone), ``torch.compile(fullgraph=True)`` cannot
-   trace an explicit generator, and a per-head counter lets a one-head reference replay the same coins.
-   Each absorbed token uses ``t + s`` coins: ``t`` for its cluster's reservoir, ``s`` for ``M``.
-   The hash ignores the batch row, so rows with identical streams sample identically; each row's
-   estimator is unchanged in distribution.
+2. Randomness. The coins of lines 16 and 25 come from a counter-based hash of (seed, layer, KV head,
+   token index in the head's absorbed stream, coin index), not from a ``torch.Generator``
+   (``modules/sketch_coins.py`` says why). Each absorbed token uses ``t + s`` coins: ``t`` for its
+   cluster's reservoir, ``s`` for ``M``.
 3. Logits. The paper writes ``exp(<q, k>)``; the model's logits are ``scaling * <q, k>``, so the
    sketch uses those and Theorem 2.4's ``r`` is ``scaling * ||q||``.
 4. Ties. Distances that differ by less than a relative ``TIE_TOLERANCE`` (1e-4) count as equal and go
-   to the lowest index (the nearest cluster of line 11, the farthest candidate of greedy k-center).
-   Exact ties are common in real keys: RoPE rotates a token's key by its position, so the distance
-   between two keys of the same token depends only on their offset, and a repeated token is
-   equidistant from copies before and after it. Under float noise (eager vs compiled, a row alone vs
-   in a batch) an exact ``argmin`` would break such ties differently and the sketches would diverge.
+   to the lowest index (the nearest cluster of line 11; ``core/ties.py`` says why).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import torch
 
-from evictlayers.scoring import Component
-
-MODES = ("stream", "kcenter")
-KCENTER_REFRESHES = 4  # exact gap recomputations per decode step (k-center mode; update's docstring)
-TIE_TOLERANCE = 1e-4  # relative: distances this close count as equal (deviation 4)
-KCENTER_STATE = "kcenter_gap"
-_LONELY = torch.finfo(torch.float32).max  # the gap of a candidate with no other candidate
-_MASK32 = 0xFFFFFFFF
-_GOLDEN32 = 0x9E3779B9  # 2^32 / golden ratio: separates the seed from the layer before hashing
-
-
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """``(x * c) mod 2**32`` for ``0 <= x, c < 2**32`` without overflowing int64 (signed overflow is
-    undefined behaviour in the CPU kernels): multiply the two 16-bit halves of ``x`` separately."""
-    low = (x & 0xFFFF) * c
-    high = (((x >> 16) * c) & 0xFFFF) << 16
-    return (low + high) & _MASK32
-
-
-def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """Chris Wellons' ``lowbias32`` integer finaliser: a bijection on 32-bit words whose output bits
-    each depend on every input bit (the reference implements the same on Python ints)."""
-    x = x ^ (x >> 16)
-    x = _mul32(x, 0x7FEB352D)
-    x = x ^ (x >> 15)
-    x = _mul32(x, 0x846CA68B)
-    return x ^ (x >> 16)
-
-
-def _salt(seed: int, layer: int) -> int:
-    """The 32-bit word every coin of one layer's sketch starts from."""
-    x = torch.tensor(((seed ^ _GOLDEN32) & _MASK32), dtype=torch.int64)
-    x = _hash32(_hash32(x) ^ (layer & _MASK32))
-    return int(x)
-
-
-def sketch_uniforms(salt: int | torch.Tensor, counter: torch.Tensor, coins: int) -> torch.Tensor:
-    """``[B, H, coins]`` float64 uniforms in ``[0, 1)`` for the next absorbed token of every head.
-
-    Args:
-        salt: ``SketchState.salt`` (seed and layer), an int or a 0-d int64 tensor.
-        counter: ``[B, H]`` int64, tokens each head has absorbed so far (the index of the next one);
-            ``[B, H, W]`` gives the coins of ``W`` tokens per head, ``[B, H, W, coins]``.
-        coins: draws per token (``t + s``).
-
-    Coin ``j`` of the ``n``-th token of head ``h`` is ``hash(hash(hash(salt ^ h) ^ n) ^ j) / 2**32``;
-    each stage is a bijection, so distinct ``(h, n, j)`` never share a word.
-    """
-    heads = torch.arange(counter.shape[1], device=counter.device, dtype=torch.int64)
-    x = _hash32(heads ^ salt).view(1, -1, *([1] * (counter.dim() - 2)))  # [1, H, 1...]
-    x = _hash32(x ^ (counter & _MASK32))  # [B, H, ...]
-    j = torch.arange(coins, device=counter.device, dtype=torch.int64)
-    x = _hash32(x[..., None] ^ j)  # [B, H, ..., coins]
-    return x.double() / 2.0**32
-
-
-@dataclass
-class CoinTable:
-    """The coins of the next ``W`` tokens each head will absorb, computed ahead (``ClusterSketch.coin_table``).
-
-    ``absorb(..., coins=table)`` reads its coins here instead of hashing: the same numbers, but a compiled
-    decode step then holds a gather instead of the 32-bit integer hash, whose vectorised int64 code made
-    inductor's C++ compile ~3x slower, and eager decoding hashes once per ``W`` tokens, not per token.
-
-    Attributes:
-        uniforms: ``[B, H, W, t + s]`` float64, ``sketch_uniforms`` of counters ``base .. base + W - 1``.
-        base: ``[B, H]`` int64, each head's ``SketchState.absorbed`` when the table was made.
-    """
-
-    uniforms: torch.Tensor
-    base: torch.Tensor
-
-    def draw(self, counter: torch.Tensor) -> torch.Tensor:
-        """``[B, H, t + s]``: the coins of token ``counter`` ``[B, H]`` of every head; the caller keeps
-        ``base <= counter < base + W`` (the slot store makes a new table before a step could overrun)."""
-        width, coins = self.uniforms.shape[2:]
-        index = (counter - self.base).clamp(0, width - 1)
-        return self.uniforms.gather(2, index[..., None, None].expand(*index.shape, 1, coins)).squeeze(2)
-
-    def nbytes(self) -> int:
-        return self.uniforms.nbytes + self.base.nbytes
+from evictlayers.core import Component
+from evictlayers.core.ties import first_near_min
+from evictlayers.modules.sketch_coins import _MASK32, CoinTable, layer_salt, sketch_uniforms
 
 
 @dataclass
@@ -175,6 +87,10 @@ class SketchState:
         """Every buffer by field name."""
         return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "salt"}
 
+    def index_select_batch(self, index: torch.Tensor) -> SketchState:
+        """The sketch with its rows reordered (or repeated): row ``i`` becomes row ``index[i]``."""
+        return replace(self, **{name: t.index_select(0, index) for name, t in self.tensors().items()})
+
 
 def _check_positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -183,56 +99,50 @@ def _check_positive_int(name: str, value: object) -> int:
 
 
 class ClusterSketch(Component):
-    """ClusterGen's KV compression: ``mode="stream"`` absorbs evicted tokens into Algorithm 1's sketch,
-    ``mode="kcenter"`` selects the slots to keep by greedy k-center (Sec. 4).
+    """ClusterGen's stream sketch (Algorithm 1): what happens to an evicted token. Instead of being
+    forgotten, each token eviction frees is absorbed into fixed-size per-head buffers, and attention is
+    the exact slots merged with the sketch. It is no selector: the policy's protections and selectors
+    say which tokens stay exact (ClusterGen keeps the most recent ones). ClusterGen's k-center selection
+    (Sec. 4) is ``KCenterSelector``.
 
     Args:
-        mode: ``"stream"`` or ``"kcenter"``.
         radius: ``delta`` of Algorithm 1 line 12, a Euclidean distance in the (post-RoPE) key space: a
-            key joins a cluster whose representative is within ``radius``. Required in stream mode.
+            key joins a cluster whose representative is within ``radius``.
         samples_per_cluster: ``t``, uniform key samples kept per cluster (Theorem 2.4:
             ``t = Omega(eps^-2 e^{2 delta r} log n)``).
         value_samples: ``s``, ``||v||^2``-weighted ``(k, v)`` samples per head
             (Theorem 2.4: ``s = Omega(eps^-2 d)``).
         max_clusters: ``M``, the most clusters a head holds (deviation 1 of the module docstring).
-        centres: k-center mode: ``k``, the slots the selector keeps; ``None`` = its share of the budget,
-            decided by the policy.
         seed: int in ``[0, 2**32)``, keys every coin (with the layer index given to ``allocate``).
     """
 
-    param_names = ("mode", "radius", "samples_per_cluster", "value_samples", "max_clusters", "centres", "seed")
+    param_names = ("radius", "samples_per_cluster", "value_samples", "max_clusters", "seed")
 
     def __init__(
         self,
-        mode: str = "stream",
-        radius: float | None = None,
+        radius: float,
         samples_per_cluster: int = 8,
         value_samples: int = 64,
         max_clusters: int = 64,
-        centres: int | None = None,
         seed: int = 0,
     ):
         super().__init__()
-        if mode not in MODES:
-            raise ValueError(f"ClusterSketch(mode={mode!r}): mode must be one of {MODES}")
-        if radius is None:
-            if mode == "stream":
-                raise ValueError("ClusterSketch(radius=None): stream mode needs radius, a number > 0 (delta)")
-        elif isinstance(radius, bool) or not isinstance(radius, (int, float)) or not 0 < radius < float("inf"):
+        if isinstance(radius, str):
+            raise TypeError(
+                f"ClusterSketch({radius!r}): ClusterSketch is the stream sketch only and takes no mode; greedy "
+                "k-center selection (ClusterGen Sec. 4) is KCenterSelector(centres=...)"
+            )
+        if isinstance(radius, bool) or not isinstance(radius, (int, float)) or not 0 < radius < float("inf"):
             raise ValueError(f"ClusterSketch(radius={radius!r}): radius must be a finite number > 0 (delta)")
         _check_positive_int("samples_per_cluster", samples_per_cluster)
         _check_positive_int("value_samples", value_samples)
         _check_positive_int("max_clusters", max_clusters)
-        if centres is not None:
-            _check_positive_int("centres", centres)
         if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= _MASK32:
             raise ValueError(f"ClusterSketch(seed={seed!r}): seed must be an int in [0, 2**32)")
-        self.mode = mode
         self.radius = radius
         self.samples_per_cluster = samples_per_cluster
         self.value_samples = value_samples
         self.max_clusters = max_clusters
-        self.centres = centres
         self.seed = seed
 
     def allocate(
@@ -247,8 +157,6 @@ class ClusterSketch(Component):
     ) -> SketchState:
         """Empty sketch buffers for ``heads`` KV heads of ``batch`` rows; keys and values are held in
         ``dtype`` (the cache dtype). ``layer`` enters the coins so that layers sample independently."""
-        if self.mode != "stream":
-            raise ValueError(f"ClusterSketch(mode={self.mode!r}) selects slots; only mode='stream' has a sketch")
         t, s, m = self.samples_per_cluster, self.value_samples, self.max_clusters
         bh = (batch, heads)
 
@@ -266,7 +174,7 @@ class ClusterSketch(Component):
             mu=zeros(*bh, dtype=torch.float64),
             absorbed=zeros(*bh, dtype=torch.int64),
             overflow=zeros(*bh, dtype=torch.int64),
-            salt=_salt(self.seed, layer),
+            salt=layer_salt(self.seed, layer),
         )
 
     def coin_table(self, state: SketchState, width: int) -> CoinTable:
@@ -432,132 +340,6 @@ class ClusterSketch(Component):
             "bytes": sum(x.numel() * x.element_size() for x in state.tensors().values()),
         }
 
-    # ---- k-center mode: a selector (ClusterGen Sec. 4) ------------------------------------------
-    #
-    # Per-slot state ``kcenter_gap`` (float32, moves with its slot like every scorer state). After a
-    # multi-token step it holds the greedy k-center pick rank (``select_centres``), which the policy's
-    # top-budget selection reads; once the kept slots are settled (``settle``) and while decoding
-    # (``update``) it holds each candidate's squared distance to its nearest other candidate. The
-    # policy evicts the lowest score among unprotected slots: the most redundant candidate.
-
-    @property
-    def state_specs(self) -> dict[str, tuple[int, ...]]:
-        """Per-slot state of k-center mode (stream mode keeps none: its sketch is per head)."""
-        return {KCENTER_STATE: ()} if self.mode == "kcenter" else {}
-
-    @property
-    def rows_needed(self) -> int:
-        return 0
-
-    @property
-    def reads_mass(self) -> bool:
-        return False  # k-center reads keys
-
-    def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> None:
-        return None  # key-fed: never changes the scoring softmax
-
-    def select_centres(self, state: dict[str, torch.Tensor], keys: torch.Tensor, candidates: torch.Tensor, k: int):
-        """Prefill (any multi-token step): greedy k-center (``kcenter_select``) over the candidate slots;
-        the ``j``-th pick of ``k`` scores ``k - j``, other candidates 0. Greedy picks are a prefix-closed
-        sequence, so a row whose share is ``k' < k`` keeps exactly the greedy ``k'``-center picks when
-        the policy keeps its top ``budget`` slots."""
-        batch, heads, n_slots = candidates.shape
-        score = torch.zeros(batch, heads, n_slots + 1, dtype=torch.float32, device=keys.device)
-        if k > 0:
-            picks = kcenter_select(keys, candidates, k)  # [B, H, k], -1 = none left
-            rank = torch.arange(k, 0, -1, dtype=torch.float32, device=keys.device).expand_as(picks)
-            score.scatter_(-1, torch.where(picks >= 0, picks, n_slots), rank)  # -1 lands in the spare column
-        state[KCENTER_STATE] = score[..., :n_slots].contiguous()
-
-    def settle(self, state: dict[str, torch.Tensor], keys: torch.Tensor, candidates: torch.Tensor) -> None:
-        """After a multi-token step, on the kept slots: each candidate's exact squared distance to its
-        nearest other candidate (blocks of rows against all slots, ``[B, H, 256, N]`` at a time)."""
-        x = keys.float()
-        n_slots = x.shape[2]
-        norms = x.square().sum(-1)  # [B, H, N]
-        gap = torch.empty(x.shape[:3], dtype=torch.float32, device=x.device)
-        slot = torch.arange(n_slots, device=x.device)
-        for start in range(0, n_slots, 256):
-            stop = min(n_slots, start + 256)
-            block = norms[:, :, start:stop, None] + norms[:, :, None, :]
-            block = (block - 2 * torch.einsum("bhid,bhjd->bhij", x[:, :, start:stop], x)).clamp(min=0)
-            other = candidates[:, :, None, :] & (slot[start:stop, None] != slot[None, :])
-            gap[:, :, start:stop] = block.masked_fill(~other, _LONELY).amin(-1)
-        state[KCENTER_STATE] = torch.where(candidates, gap, 0.0)
-
-    def update(self, state: dict[str, torch.Tensor], observation, view, candidates: torch.Tensor) -> None:
-        """One decode step of k-center mode: fixed shapes, ``1 + KCENTER_REFRESHES`` rows of ``[B, H, N]``
-        distances per head (no ``N x N`` matrix, no ``k`` sequential passes).
-
-        The rule. Sec. 4 runs greedy k-center once, over the prompt's keys outside the recent window.
-        Re-running it at every step would cost ``k`` sequential farthest-point passes (``k`` unrolled
-        iterations in a compiled graph). Instead, when a head is over budget, the policy evicts the
-        candidate (unprotected) slot whose nearest other candidate is closest: the most redundant key.
-        Dropping that key leaves it within its gap of a kept one, so among single removals it adds the
-        least to the covering radius of the candidates, the k-center objective; it is greedy k-center
-        run backwards (a farthest-point traversal picks last the points closest to those already
-        picked). The prefill keeps exactly greedy k-center's picks; afterwards, each step drops one key
-        by this rule, which is not necessarily the set a fresh greedy run over all older keys would keep.
-
-        The state ``kcenter_gap`` is each candidate's squared distance to its nearest other candidate.
-
-        1. The newest candidate (the token that has just left the recent window, or the new token when
-           nothing protects it) gets its exact gap; every other candidate's gap becomes the minimum of
-           its gap and its distance to that token. Re-running this on a candidate already counted (a
-           padding step) changes nothing.
-        2. Evicting a token can only raise the others' true gaps, so stored gaps are lower bounds,
-           exact except for candidates whose nearest candidate was evicted. ``KCENTER_REFRESHES`` times,
-           the candidate eviction would take (the oldest among the near-smallest stored gaps) gets its
-           gap recomputed exactly (a lazy priority queue of fixed depth). The victim is then the
-           candidate with the exactly smallest gap unless more stale gaps than that lie below it
-           (tests/test_cluster_policy.py measures how often on random keys).
-        """
-        keys = observation.keys.float()
-        gap = state[KCENTER_STATE]
-        slot = torch.arange(keys.shape[2], device=keys.device)
-        has = candidates.any(-1)  # [B, H]
-
-        def distances_from(index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            """Squared distances ``[B, H, N]`` from slot ``index`` ``[B, H]``, and the others mask."""
-            centre = keys.gather(2, index[..., None, None].expand(*index.shape, 1, keys.shape[-1]))
-            return (keys - centre).square().sum(-1), candidates & (slot != index[..., None])
-
-        newest = view.pos.masked_fill(~candidates, -1).argmax(-1)  # [B, H]
-        dist, others = distances_from(newest)
-        own = dist.masked_fill(~others, _LONELY).amin(-1)
-        updated = torch.where(others, torch.minimum(gap, dist), gap)
-        updated = torch.where(has[..., None] & (slot == newest[..., None]), own[..., None], updated)
-
-        for _ in range(KCENTER_REFRESHES):
-            # the candidate eviction would take: the oldest among the (near-)smallest gaps
-            smallest = updated.masked_fill(~candidates, float("inf"))
-            floor = smallest.amin(-1, keepdim=True)
-            tied = candidates & (smallest <= floor + floor.abs() * TIE_TOLERANCE)
-            lowest = view.pos.masked_fill(~tied, torch.iinfo(torch.long).max).argmin(-1)
-            dist, others = distances_from(lowest)
-            own = dist.masked_fill(~others, _LONELY).amin(-1)
-            updated = torch.where(has[..., None] & (slot == lowest[..., None]), own[..., None], updated)
-        gap.copy_(torch.where(candidates, updated, 0.0))
-
-    def score(self, state: dict[str, torch.Tensor], view) -> torch.Tensor:
-        """``[B, H, N]``: higher is kept longer (pick rank after a prefill selection, gap while decoding)."""
-        return state[KCENTER_STATE]
-
-
-def first_near_min(values: torch.Tensor, tolerance: float = TIE_TOLERANCE) -> torch.Tensor:
-    """Index (last dim) of the first entry within a relative ``tolerance`` of the minimum; ``values``
-    are non-negative or ``+inf`` (all ``+inf`` gives 0)."""
-    lowest = values.amin(-1, keepdim=True)
-    return (values <= lowest * (1 + tolerance)).int().argmax(-1)
-
-
-def first_near_max(values: torch.Tensor, tolerance: float = TIE_TOLERANCE) -> torch.Tensor:
-    """Index (last dim) of the first entry within a relative ``tolerance`` of the maximum; ``values``
-    are non-negative or ``-inf`` (all ``-inf`` gives 0)."""
-    highest = values.amax(-1, keepdim=True)
-    floor = torch.where(torch.isfinite(highest), highest * (1 - tolerance), highest)
-    return (values >= floor).int().argmax(-1)
-
 
 def _capped(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return logits if softcap is None else torch.tanh(logits / softcap) * softcap
@@ -593,47 +375,3 @@ def merge_with_exact(
     den = exact_weight + normaliser * sketch_weight
     out = torch.where(den[..., None] > 0, num / den.clamp(min=torch.finfo(den.dtype).tiny)[..., None], 0.0)
     return out.to(exact_out.dtype)
-
-
-def kcenter_select(keys: torch.Tensor, candidates: torch.Tensor, k: int) -> torch.Tensor:
-    """Greedy k-center (farthest-point; Gonzalez 1985, Dyer & Frieze 1985) over each head's candidate
-    keys, the selector of ClusterGen Sec. 4.
-
-    Args:
-        keys: ``[B, H, N, D]`` slot keys.
-        candidates: ``[B, H, N]`` bool, the slots the selector may pick (the protections, e.g. the
-            recent window of Sec. 4, hold the others).
-        k: centres to pick per head.
-
-    Returns:
-        ``[B, H, k]`` int64 slot indices in the order picked; ``-1`` once a head has no candidate left.
-
-    Start (deterministic and independent of slot order): the candidate farthest from the candidates'
-    mean. Each further pick is the candidate farthest from its nearest pick so far; ties, up to a
-    relative ``TIE_TOLERANCE`` (deviation 4 of the module), go to the lowest slot index. ``k`` rounds of ``[B, H, N]`` distances: no ``N x N`` matrix, fixed shapes.
-    The 2-approximation of the k-center radius holds from any start.
-    """
-    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
-        raise ValueError(f"kcenter_select(k={k!r}): k must be an int >= 1")
-    if keys.dim() != 4 or tuple(candidates.shape) != tuple(keys.shape[:3]) or candidates.dtype != torch.bool:
-        raise ValueError(
-            f"kcenter_select: keys {tuple(keys.shape)} must be [B, H, N, D] and candidates a bool [B, H, N], "
-            f"got candidates {tuple(candidates.shape)} {candidates.dtype}"
-        )
-    batch, heads, _, head_dim = keys.shape
-    x = keys.float()
-    weight = candidates.float()[..., None]
-    mean = (x * weight).sum(2, keepdim=True) / weight.sum(2, keepdim=True).clamp(min=1)
-    gap = (x - mean).square().sum(-1)  # the start's criterion  [B, H, N]
-    nearest = torch.full_like(gap, float("inf"))  # squared distance to the nearest pick
-    chosen = torch.zeros_like(candidates)
-    picks = []
-    for step in range(k):
-        score = (gap if step == 0 else nearest).masked_fill(~candidates | chosen, float("-inf"))
-        pick = first_near_max(score)  # lowest index among the (near-)maxima
-        found = score.gather(-1, pick[..., None]).squeeze(-1) > float("-inf")
-        picks.append(torch.where(found, pick, -1))
-        chosen.scatter_(-1, pick[..., None], chosen.gather(-1, pick[..., None]) | found[..., None])
-        centre = x.gather(2, pick[..., None, None].expand(batch, heads, 1, head_dim))
-        nearest = torch.minimum(nearest, (x - centre).square().sum(-1))
-    return torch.stack(picks, dim=-1)

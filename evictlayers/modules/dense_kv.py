@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from evictlayers.scoring import Component
+from evictlayers.core import Component
+from evictlayers.core.slots import batch_head_index
 
 
 class DenseKV(Component):
@@ -61,8 +62,3 @@ class DenseSlots:
     def nbytes(self) -> int:
         return self.keys.nbytes + self.values.nbytes
 
-
-def batch_head_index(slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``([B, 1], [1, H])`` aranges that, with ``slot`` ``[B, H]``, index one slot per ``(b, h)``."""
-    batch, heads = slot.shape
-    return torch.arange(batch, device=slot.device)[:, None], torch.arange(heads, device=slot.device)[None, :]

@@ -8,8 +8,9 @@ from typing import Any
 import torch
 from torch.nn import functional as F
 
+from evictlayers.core.slots import LAST
+from evictlayers.modules.selector import Selector
 from evictlayers.scoring import (
-    Component,
     Observation,
     ScoreAccumulator,
     ScorePrior,
@@ -18,7 +19,7 @@ from evictlayers.scoring import (
 )
 
 
-class HeavyHitterSelector(Component):
+class HeavyHitterSelector(Selector):
     """Fills the slots the protections leave with the highest-scoring tokens, per KV head.
 
     ``HeavyHitterSelector(accumulator, transform=None, prior=None)``: the ``accumulator`` turns the
@@ -135,6 +136,10 @@ class HeavyHitterSelector(Component):
         """``[B, Q]`` factor on the logits of the scoring softmax, or ``None`` for the model's own."""
         return None if self.transform is None else self.transform.score_gain(query_pos, budget)
 
+    @property
+    def tie_tolerance(self) -> float:
+        return self.accumulator.tie_tolerance  # KeyNorm: RoPE keeps a repeated token's key norm
+
     def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
         self.accumulator.update(state, observation, view)
         if self.prior is not None:
@@ -169,7 +174,7 @@ def pool_by_position(score: torch.Tensor, pos: torch.Tensor, width: int, reduce:
     compiled decode step."""
     batch, heads, n_slots = score.shape
     held = pos >= 0
-    order = pos.masked_fill(~held, torch.iinfo(torch.long).max).argsort(-1)  # held slots first, by position
+    order = pos.masked_fill(~held, LAST).argsort(-1)  # held slots first, by position
     ranked = score.gather(-1, order).reshape(batch * heads, 1, n_slots)
     ranked_held = held.gather(-1, order).reshape(batch * heads, 1, n_slots)
     if reduce == "max":

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from evictlayers.scoring import Component, SlotView
+from evictlayers.core import Component
+from evictlayers.scoring import SlotView
 
 
 class Protection(Component):

@@ -36,8 +36,8 @@ from __future__ import annotations
 import torch
 
 from evictlayers.kernels.quantization import BITS, dequantize_groups, quantize_groups
-from evictlayers.modules.dense_kv import batch_head_index
-from evictlayers.scoring import Component
+from evictlayers.core.slots import batch_head_index
+from evictlayers.core import Component
 
 
 NORMALISER_MIN_TOKENS = 64  # prompt tokens a head needs before its key channels are normalised

@@ -3,7 +3,6 @@ slots' keys, the softmax transform they score with, and per-slot priors."""
 
 from evictlayers.scoring.accumulator import ScoreAccumulator
 from evictlayers.scoring.averaged import Averaged
-from evictlayers.scoring.component import Component
 from evictlayers.scoring.cumulative import Cumulative
 from evictlayers.scoring.key_diff import KeyDiff
 from evictlayers.scoring.key_norm import KeyNorm
@@ -16,7 +15,6 @@ from evictlayers.scoring.windowed import Windowed
 
 __all__ = [
     "Averaged",
-    "Component",
     "Cumulative",
     "KeyDiff",
     "KeyNorm",

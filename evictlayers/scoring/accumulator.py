@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from evictlayers.scoring.component import Component
+from evictlayers.core import Component
 from evictlayers.scoring.view import Observation, SlotView
 
 

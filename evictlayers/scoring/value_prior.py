@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from evictlayers.scoring.component import Component
+from evictlayers.core import Component
+from evictlayers.core.slots import LAST
 from evictlayers.scoring.view import Observation, SlotView
 
 
@@ -70,7 +71,7 @@ class ValuePrior(ScorePrior):
             return
         # neighbours by position: sort each head's slots by position; positions are distinct, so the
         # tokens within ``half`` positions of a slot are within ``half`` places of it in that order
-        key = torch.where(valid, view.pos, torch.iinfo(torch.long).max)
+        key = torch.where(valid, view.pos, LAST)
         order = key.argsort(-1)
         spos, snu, snew, svalid = (t.gather(-1, order) for t in (key, nu, new, valid))
         add_total = torch.zeros_like(snu)

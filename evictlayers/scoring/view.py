@@ -19,6 +19,8 @@ class SlotView:
             geometry (``KeyDiff``, ``KeyNorm``); ``None`` where the caller has none to give.
         window: the layer's sliding window (a query sees itself and the ``window - 1`` tokens before it),
             ``None`` for a full-attention layer.
+        protected: ``[B, H_kv, N]`` bool, the slots a protection (``RecentWindow``, ``SinkTokens``) holds,
+            filled by the policy for the selectors that read ``candidates``; ``None`` elsewhere.
     """
 
     pos: torch.Tensor
@@ -26,11 +28,19 @@ class SlotView:
     budget: torch.Tensor | None
     keys: torch.Tensor | None = None
     window: int | None = None
+    protected: torch.Tensor | None = None
 
     @property
     def valid(self) -> torch.Tensor:
         """``[B, H_kv, N]`` bool: the slot holds a token."""
         return self.pos >= 0
+
+    @property
+    def candidates(self) -> torch.Tensor:
+        """``[B, H_kv, N]`` bool: held slots no protection holds, the selectors' to rank."""
+        if self.protected is None:
+            raise ValueError("SlotView.candidates needs SlotView.protected (the policy fills it)")
+        return self.valid & ~self.protected
 
     @property
     def stale(self) -> torch.Tensor | None:
@@ -61,7 +71,7 @@ class Observation:
         group_size: query heads per KV head (GQA group).
         gqa_reduce: how the group's probabilities were combined (``"sum"``, ``"mean"``, ``"max"``).
         keys: ``[B, H_kv, N, D]`` the slots' keys (post-RoPE), for key-fed scorers such as
-            ``ClusterSketch(mode="kcenter")``; ``None`` where the caller has none to give.
+            ``KCenterSelector``; ``None`` where the caller has none to give.
         inserted: ``[B, H_kv, n]`` int64 the slots this step wrote its ``n`` tokens to (a padding token's
             slot holds position ``-1``), so per-slot facts about a key are computed once, on arrival;
             ``None`` where the caller has none to give.

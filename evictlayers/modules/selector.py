@@ -1,0 +1,74 @@
+"""What a selector is: a component that ranks the unprotected slots, so the policy keeps the best.
+
+A selector keeps its per-slot state (``state_specs``, moving with its slot) and per-head state
+(``head_state_specs``) in the slot store's tensors, folds each step into them (``update``) and scores
+the held slots (``score``: higher is kept longer). Eviction itself is the slot store's, one rule for
+every step (``compose/eviction.py``): each head keeps its ``budget`` best slots.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from evictlayers.core import Component
+from evictlayers.scoring import Observation, SlotView
+
+
+class Selector(Component):
+    """Base of ``HeavyHitterSelector`` and ``KCenterSelector``; defaults describe a selector that reads
+    nothing but what ``update`` is given and keeps no per-head state."""
+
+    share: float | None = None  # the fraction of the unprotected slots it fills beside other selectors
+
+    @property
+    def state_specs(self) -> dict[str, tuple[int, ...]]:
+        """Per-slot state: ``[B, H_kv, C, *shape]`` float32 each."""
+        return {}
+
+    @property
+    def head_state_specs(self) -> dict[str, tuple[int | str, ...]]:
+        """Per-head state: ``[B, H_kv, *shape]`` float32 each (``"head_dim"`` = the key width)."""
+        return {}
+
+    @property
+    def rows_needed(self) -> int:
+        """How many of a step's last query rows ``update`` reads individually."""
+        return 0
+
+    @property
+    def reads_mass(self) -> bool:
+        """Whether ``update`` reads the summed attention mass (a prefill computes it only then)."""
+        return False
+
+    @property
+    def reads_candidates(self) -> bool:
+        """Whether ``update`` reads ``view.candidates`` (the policy then fills ``view.protected``)."""
+        return False
+
+    @property
+    def tie_tolerance(self) -> float:
+        """Relative gap under which two scores count as tied (the oldest slot goes first); 0 = exact."""
+        return 0.0
+
+    def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B, Q]`` factor on the logits of the scoring softmax, or ``None`` for the model's own."""
+        return None
+
+    def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
+        """Fold one step (``observation``) into the state, in place."""
+        raise NotImplementedError
+
+    def score(self, state: dict[str, torch.Tensor], view: SlotView) -> torch.Tensor:
+        """``[B, H_kv, N]`` float32 ranking score (higher = keep) of each held slot."""
+        raise NotImplementedError
+
+    def forget(self, state: dict[str, torch.Tensor], keys: torch.Tensor, gone: torch.Tensor) -> None:
+        """Slots leave (``keys`` ``[B, H_kv, n, D]`` where ``gone`` ``[B, H_kv, n]``): per-head state that sums
+        over the held slots drops them."""
+
+    def prepare(self, state: dict[str, torch.Tensor], view: SlotView, count: torch.Tensor) -> None:
+        """After a multi-token step, before the slot store keeps each head's best ``budget``: the state the
+        selection reads, where it is not what ``update`` left (``count`` ``[B]``: slots this selector fills)."""
+
+    def settle(self, state: dict[str, torch.Tensor], view: SlotView) -> None:
+        """After that selection, on the kept slots: the state the decode steps maintain from then on."""
