@@ -1,6 +1,6 @@
 """The ``evictlayers`` command.
 
-    evictlayers eval RECIPE... --task passkey|lines|perplexity|agreement --budget 0.1 0.2 0.5 \\
+    evictlayers eval RECIPE... --task passkey|lines|perplexity|agreement|ruler --budget 0.1 0.2 0.5 \\
         --model default|gemma-3-270m|<hf id or path> --out DIR
     evictlayers generate RECIPE "prompt" [--budget 0.2] [--model default]
     evictlayers claims [--doc docs/results.md]      # the papers' claims on the embedded model
@@ -22,22 +22,29 @@ __all__ = ["main"]
 
 # option -> tasks it applies to (None = all); defaults live in the task classes
 TASK_OPTIONS: dict[str, tuple[str, ...]] = {
-    "lengths": ("passkey",),
+    "lengths": ("passkey", "ruler"),
     "depths": ("passkey",),
     "per_cell": ("passkey",),
     "n_prompts": ("lines",),
     "n_lines": ("lines",),
-    "max_new_tokens": ("passkey", "lines"),
+    "max_new_tokens": ("passkey", "lines", "ruler"),
     "haystack": ("passkey",),
     "chat": ("passkey",),
-    "data": ("passkey", "perplexity", "agreement"),
+    "data": ("passkey", "perplexity", "agreement", "ruler"),
     "n_docs": ("perplexity", "agreement"),
     "doc_tokens": ("perplexity", "agreement"),
     "start": ("perplexity", "agreement"),
     "chunk": ("perplexity", "agreement"),
-    "n_bins": ("passkey", "lines", "perplexity", "agreement"),
-    "seed": ("passkey", "lines"),
+    "n_bins": ("passkey", "lines", "perplexity", "agreement", "ruler"),
+    "seed": ("passkey", "lines", "ruler"),
+    "ruler_tasks": ("ruler",),
+    "ruler_samples": ("ruler",),
+    "ruler_setting": ("ruler",),
+    "ruler_template": ("ruler",),
 }
+# command-line option -> the task's argument, where the flag carries the task's name
+OPTION_ARGUMENTS = {"ruler_tasks": "tasks", "ruler_samples": "samples", "ruler_setting": "setting",
+                    "ruler_template": "template"}
 
 
 def _budget(text: str):
@@ -81,7 +88,10 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from evictlayers.eval.ruler_run import SETTINGS
     from evictlayers.eval.suite import TASKS
+    from evictlayers.eval.tasks.ruler import TASKS as RULER_TASKS
+    from evictlayers.eval.tasks.ruler import TEMPLATES
 
     parser = argparse.ArgumentParser(prog="evictlayers", description="Bounded KV caches for Hugging Face decoders.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="{eval,generate,claims,needles}")
@@ -98,11 +108,12 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--devices", type=_positive, default=1,
                     help="processes to shard the examples over (Lightning DDP on CPU; default 1)")
     ev.add_argument("--batch-size", type=_positive, default=None,
-                    help="examples per batch (default: 8 for passkey/lines, 4 for perplexity/agreement)")
+                    help="examples per batch (default: 8 for passkey/lines, 4 for perplexity/agreement/ruler)")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")
     ev.add_argument("--n-bins", type=_positive, default=None, help="bins of the retained-position histogram (20)")
     group = ev.add_argument_group("passkey")
-    group.add_argument("--lengths", type=_positive, nargs="+", default=None, help="prompt lengths in tokens (1000)")
+    group.add_argument("--lengths", type=_positive, nargs="+", default=None,
+                       help="prompt lengths in tokens (1000); ruler: context lengths, generation included (4096)")
     group.add_argument("--depths", type=_positive, default=None, help="number of evenly spaced key depths (8)")
     group.add_argument("--per-cell", type=_positive, default=None, help="prompts per length x depth (1)")
     group.add_argument("--haystack", choices=("filler", "prose"), default=None,
@@ -112,10 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
     group = ev.add_argument_group("lines")
     group.add_argument("--n-prompts", type=_positive, default=None, help="prompts (16)")
     group.add_argument("--n-lines", type=_positive, default=None, help="lines per record (20)")
-    group = ev.add_argument_group("passkey and lines")
-    group.add_argument("--max-new-tokens", type=_positive, default=None, help="tokens generated per prompt (8)")
+    group = ev.add_argument_group("ruler (RULER's synthetic tasks; also --lengths, --seed, --max-new-tokens, --data-dir)")
+    group.add_argument("--ruler-tasks", nargs="+", choices=list(RULER_TASKS), default=None, metavar="NAME",
+                       help=f"RULER tasks to run (default: all): {', '.join(RULER_TASKS)}")
+    group.add_argument("--ruler-samples", type=_positive, default=None, help="prompts per task and length (10)")
+    group.add_argument("--ruler-setting", nargs="+", choices=SETTINGS, default=None,
+                       help="query_aware: the question is in the prompt the cache is compressed with; "
+                            "query_agnostic: the context is compressed first, then the question is appended "
+                            "(default: query_aware; give both to run both)")
+    group.add_argument("--ruler-template", choices=TEMPLATES, default=None,
+                       help="auto: the tokenizer's chat template where it has one (default); chat: require it; "
+                            "base: plain text")
+    group = ev.add_argument_group("passkey, lines and ruler")
+    group.add_argument("--max-new-tokens", type=_positive, default=None,
+                       help="tokens generated per prompt (8; ruler: RULER's per task)")
     group.add_argument("--seed", type=int, default=None, help="prompt seed (0)")
-    group = ev.add_argument_group("perplexity and agreement (and passkey --haystack prose)")
+    group = ev.add_argument_group("perplexity and agreement (and passkey --haystack prose, ruler)")
     group.add_argument("--data-dir", dest="data", type=Path, default=None,
                        help="directory of .txt documents (default: $EVICTLAYERS_DATA, else "
                             "../shared/data/pg19-sample next to the repository)")
@@ -178,10 +201,16 @@ def _task_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         if args.task not in tasks:
             flag = "--data-dir" if option == "data" else "--" + option.replace("_", "-")
             parser.error(f"{flag} does not apply to --task {args.task} (it applies to: {', '.join(tasks)})")
-        options[option] = value
+        options[OPTION_ARGUMENTS.get(option, option)] = value
     if "depths" in options:
         options["depths"] = int(options["depths"])
     return options
+
+
+def _ruler_reads_books(options: dict) -> bool:
+    from evictlayers.eval.tasks.ruler import TASKS as RULER_TASKS
+
+    return "data" in options or any(RULER_TASKS[t].needs_books for t in options.get("tasks", RULER_TASKS))
 
 
 def _load_model(name: str):
@@ -203,7 +232,7 @@ def _cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         specs = [resolve_recipe(r) for r in args.recipes]
         expand_budgets(specs, args.budget)  # fails before the model loads
-        if args.task in ("perplexity", "agreement"):
+        if args.task in ("perplexity", "agreement") or (args.task == "ruler" and _ruler_reads_books(options)):
             read_texts(options.get("data"))
     except (FileNotFoundError, RecipeError, ValueError) as error:
         parser.error(str(error))

@@ -1,5 +1,6 @@
 """Results on disk: JSON, a markdown table, and plots (score vs budget per policy, as H2O Fig. 4;
-retained-position histograms, as AhaKV Fig. 2(c)). Plots need matplotlib (``pip install
+retained-position histograms, as AhaKV Fig. 2(c); for RULER, score vs compression ratio,
+:mod:`evictlayers.eval.ruler_report`). Plots need matplotlib (``pip install
 evictlayers[eval]``); without it they are skipped with a message, the rest is written.
 """
 
@@ -35,8 +36,13 @@ def _budget_text(run: dict) -> str:
 
 
 def markdown_table(result: dict) -> str:
-    """One row per policy x budget: score, task extras, memory kept, throughput."""
+    """One row per policy x budget: score, task extras, memory kept, throughput (RULER: one column per
+    task, :func:`evictlayers.eval.ruler_report.markdown_table`)."""
     task, score_name = result["task"], result["score_name"]
+    if task == "ruler":
+        from evictlayers.eval.ruler_report import markdown_table as ruler_table
+
+        return ruler_table(result)
     extra: list[tuple[str, str]] = []
     if task == "agreement":
         extra = [("KL (nats)", "kl"), ("perplexity", "perplexity")]
@@ -164,15 +170,25 @@ def write_results(result: dict, out_dir: str | Path) -> dict[str, Path]:
     written = {"json": out / f"{task}.json", "markdown": out / f"{task}.md"}
     written["json"].write_text(json.dumps(result, indent=1, default=str))
     settings = ", ".join(f"{k}={v}" for k, v in result["settings"].items())
+    table = markdown_table(result)
+    if task == "ruler":
+        note = ("Scores: RULER's string match (share of the reference answers found in the output), 0-100. "
+                "KV kept: share of the KV slots a full cache would hold at the end of each example.\n")
+    else:
+        note = ("KV kept: share of the KV slots a full cache would hold at the end of each example; "
+                "evenness: normalised entropy of the retained-position histogram (1 = uniform).\n")
     written["markdown"].write_text(
         f"# {task} on {result['model'] or 'the model'}\n\n"
         f"{result['n_examples']} examples; {settings}; seed {result['seed']}; "
         f"{result['devices']} process(es); {result['wall_seconds']:.0f} s.\n\n"
-        f"{markdown_table(result)}\n\n"
-        f"KV kept: share of the KV slots a full cache would hold at the end of each example; "
-        f"evenness: normalised entropy of the retained-position histogram (1 = uniform).\n"
+        f"{table}\n\n{note}"
     )
-    score = plot_score_vs_budget(result, out / f"{task}_score_vs_budget.png")
+    if task == "ruler":
+        from evictlayers.eval.ruler_report import plot_ruler
+
+        score = plot_ruler([result], out / "ruler_score_vs_compression.png")
+    else:
+        score = plot_score_vs_budget(result, out / f"{task}_score_vs_budget.png")
     if score is not None:
         written["score_plot"] = score
         written["positions_plot"] = plot_positions(result, out / f"{task}_positions.png")

@@ -29,7 +29,7 @@ __all__ = [
 ]
 
 RECIPES_ENV = "EVICTLAYERS_RECIPES"
-DEFAULT_BATCH = {"passkey": 8, "lines": 8, "perplexity": 4, "agreement": 4}
+DEFAULT_BATCH = {"passkey": 8, "lines": 8, "perplexity": 4, "agreement": 4, "ruler": 4}
 
 
 def recipes_dir() -> Path:
@@ -179,6 +179,7 @@ def evaluate(
     if not specs:
         raise ValueError("no recipes to evaluate")
     evaluation = make_task(task, tokenizer, **dict(task_options or {}))
+    evaluation.check_model(model)
     evaluation.compile = compile
     runs = expand_budgets(specs, budgets)
     batch_size = batch_size or DEFAULT_BATCH.get(task, 1)

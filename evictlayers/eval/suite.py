@@ -1,7 +1,7 @@
 """The evaluation tasks as the Lightning loop runs them: a ``datasets.Dataset`` of examples, a collate
 function, how one batch is run under one policy, and how per-example records merge into a score.
 
-Four tasks (:data:`TASKS`):
+Five tasks (:data:`TASKS`):
 
 ``passkey``
     a 5-digit key hidden at a controlled depth in filler (:mod:`evictlayers.eval.tasks.passkey`), over
@@ -17,6 +17,10 @@ Four tasks (:data:`TASKS`):
     the same stream, compared position by position with the unmodified model's next-token
     distributions on the same text (one teacher-forced pass, full attention): score = top-1
     agreement, also ``kl`` = mean KL(full || evicted) in nats, and the perplexity.
+``ruler``
+    RULER's synthetic tasks (Hsieh et al. 2024; :mod:`evictlayers.eval.tasks.ruler`), generated
+    offline at any length, run query-aware or query-agnostic (:mod:`evictlayers.eval.ruler_run`);
+    greedy generation; score = RULER's string-match score, 0-100, averaged over tasks.
 
 Budgets: generation tasks pass the policy as it is (an ``int`` is tokens per head, a ``float`` a
 fraction of each prompt). A stream's first forward is one chunk, so a ``float`` budget is turned into
@@ -40,9 +44,12 @@ from evictlayers.eval.metrics import cache_rows, histogram_evenness, merge_histo
 from evictlayers.eval.tasks.documents import document_windows, read_texts
 from evictlayers.eval.tasks.lines import lines_prompts, parse_record, score_lines
 from evictlayers.eval.tasks.passkey import HAYSTACKS, passkey_grid, score_passkey
+from evictlayers.eval.ruler_run import SETTINGS, generate_query_agnostic, generate_query_aware, summarize_ruler
+from evictlayers.eval.tasks.ruler import LEFT_OUT, Books, group_of, postprocess, ruler_samples, sample_score, use_chat
+from evictlayers.eval.tasks.ruler import TASKS as RULER_TASKS
 
 __all__ = [
-    "TASKS", "AgreementTask", "EvalTask", "LinesTask", "PasskeyTask", "PerplexityTask", "make_task",
+    "TASKS", "AgreementTask", "EvalTask", "LinesTask", "PasskeyTask", "PerplexityTask", "RulerTask", "make_task",
 ]
 
 
@@ -86,6 +93,9 @@ class EvalTask:
         raise NotImplementedError
 
     # ---- running -------------------------------------------------------------------------------
+
+    def check_model(self, model) -> None:
+        """Raise ``ValueError`` if ``model`` cannot run this task (checked before any example runs)."""
 
     def prepare(self, model, batch: dict):
         """Work shared by every policy on this batch (e.g. reference logits); ``None`` by default."""
@@ -422,7 +432,131 @@ class AgreementTask(PerplexityTask):
     agreement = True
 
 
-TASKS: dict[str, type[EvalTask]] = {t.name: t for t in (PasskeyTask, LinesTask, PerplexityTask, AgreementTask)}
+# ---- RULER ----------------------------------------------------------------------------------------
+
+
+class RulerTask(EvalTask):
+    """RULER's synthetic tasks (Hsieh et al. 2024) over ``lengths``, ``samples`` prompts per task and
+    length, in one or both of kvpress's settings (``query_aware``, ``query_agnostic``; see
+    :mod:`evictlayers.eval.ruler_run`). RULER's QA tasks are left out (their datasets cannot be
+    downloaded here); see :mod:`evictlayers.eval.tasks.ruler` for the other deviations.
+
+    Args:
+        tasks: RULER task names (default: all eleven synthetic tasks).
+        lengths: context lengths in tokens, generation included, as RULER counts them.
+        samples: prompts per task and length.
+        setting: ``query_aware``, ``query_agnostic``, or a list of both.
+        template: ``auto`` (the tokenizer's chat template where it has one), ``chat`` or ``base``.
+        max_new_tokens: tokens generated per prompt (default: RULER's per task: 128 for NIAH, 30 for
+            vt, 120 for cwe, 50 for fwe), also reserved out of the length.
+        data: the books for essay haystacks and word lists (default: the PG-19 sample).
+    """
+
+    name = "ruler"
+    score_name = "RULER score"
+    higher_is_better = True
+
+    def __init__(
+        self,
+        tokenizer,
+        tasks: Sequence[str] | None = None,
+        lengths: Sequence[int] = (4096,),
+        samples: int = 10,
+        setting: str | Sequence[str] = "query_aware",
+        template: str = "auto",
+        seed: int = 0,
+        max_new_tokens: int | None = None,
+        data=None,
+        n_bins: int = 20,
+    ):
+        super().__init__(tokenizer, n_bins)
+        self.tasks = list(RULER_TASKS) if tasks is None else list(dict.fromkeys(tasks))
+        unknown = [t for t in self.tasks if t not in RULER_TASKS]
+        if unknown or not self.tasks:
+            left = [t for t in unknown if t in LEFT_OUT]
+            why = f" ({', '.join(left)}: left out, their datasets cannot be downloaded)" if left else ""
+            raise ValueError(f"unknown RULER task(s) {unknown}{why} (--ruler-tasks); allowed: {', '.join(RULER_TASKS)}")
+        self.setting = [setting] if isinstance(setting, str) else list(dict.fromkeys(setting))
+        bad = [s for s in self.setting if s not in SETTINGS]
+        if bad or not self.setting:
+            raise ValueError(f"ruler setting {bad} (--ruler-setting): allowed: {', '.join(SETTINGS)}")
+        self.lengths = [int(n) for n in lengths]
+        if not self.lengths or min(self.lengths) < 1:
+            raise ValueError(f"ruler lengths (--lengths) must be positive token counts, got {self.lengths}")
+        if samples < 1:
+            raise ValueError(f"ruler samples (--ruler-samples) must be >= 1, got {samples}")
+        if max_new_tokens is not None and max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        self.template, self.chat = template, use_chat(tokenizer, template)
+        self.samples, self.seed, self.max_new_tokens = samples, seed, max_new_tokens
+        # the books are read here so that a missing data directory fails before any model runs
+        texts = read_texts(data) if data is not None or any(RULER_TASKS[t].needs_books for t in self.tasks) else None
+        self.books = Books(texts) if texts else None
+        self.sources = [name for name, _ in texts] if texts else []
+        if getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
+            tokenizer.pad_token = tokenizer.eos_token
+
+    def settings(self) -> dict:
+        return {**super().settings(), "tasks": self.tasks, "lengths": self.lengths, "samples": self.samples,
+                "setting": self.setting, "template": self.template, "chat": self.chat, "seed": self.seed,
+                "max_new_tokens": self.max_new_tokens, "sources": self.sources}
+
+    def check_model(self, model) -> None:
+        config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
+        limit = getattr(config, "max_position_embeddings", None)
+        too_long = [n for n in self.lengths if limit is not None and n > limit]
+        if too_long:
+            raise ValueError(f"ruler lengths {too_long} (--lengths) exceed what the model holds "
+                             f"(max_position_embeddings = {limit}); allowed: lengths <= {limit}")
+
+    def build_rows(self) -> list[dict]:
+        prompts = [p for length in self.lengths for task in self.tasks
+                   for p in ruler_samples(self.tokenizer, task, length, self.samples, self.seed, self.chat,
+                                          self.books, self.max_new_tokens)]
+        return [
+            {"task": p.task, "group": group_of(p.task), "length": p.length, "sample": p.index, "setting": setting,
+             "input_ids": list(p.input_ids), "n_context": p.n_context, "answers": list(p.answers),
+             "max_new_tokens": p.max_new_tokens, "n_tokens": p.n_tokens, "haystack": p.haystack}
+            for setting in self.setting for p in prompts
+        ]
+
+    def collate(self, rows: list[dict]) -> dict:
+        return {"rows": rows}  # padded per setting in run(): the query-agnostic rows run one at a time
+
+    def run(self, model, policy: el.Policy, batch: dict, shared) -> list[dict]:
+        pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
+        rows = batch["rows"]
+        groups = [[r for r in rows if r["setting"] == "query_aware"]]
+        groups += [[r] for r in rows if r["setting"] == "query_agnostic"]
+        records = []
+        for group in filter(None, groups):
+            steps = max(r["max_new_tokens"] for r in group)
+            if group[0]["setting"] == "query_aware":
+                new, cache, stats, seconds = generate_query_aware(
+                    model, policy, [r["input_ids"] for r in group], steps, pad, self.compile)
+            else:
+                new, cache, stats, seconds = generate_query_agnostic(
+                    model, policy, group[0]["input_ids"], group[0]["n_context"], steps, pad, self.compile)
+            memory = self._memory_records(cache, stats, len(group), seconds)
+            for b, row in enumerate(group):
+                # a row's own budget of new tokens (a batch may mix tasks that generate different amounts)
+                tokens = new[b, : row["max_new_tokens"]].tolist()
+                if eos in tokens:  # what follows a row's end of sequence is padding
+                    tokens = tokens[: tokens.index(eos) + 1]
+                text = postprocess(self.tokenizer.decode(tokens, skip_special_tokens=True))
+                meta = {k: v for k, v in row.items() if k != "input_ids"}
+                records.append({**meta, **memory[b], "generated": text, "score": sample_score(text, row["answers"]),
+                                "prompt_tokens": row["n_tokens"], "tokens": row["n_tokens"] + len(tokens)})
+        return records
+
+    def summarize(self, records: Sequence[dict]) -> dict:
+        return {**summarize_ruler(records), "prompt_tokens": sum(r["prompt_tokens"] for r in records) / len(records),
+                **self._common_summary(records)}
+
+
+TASKS: dict[str, type[EvalTask]] = {
+    t.name: t for t in (PasskeyTask, LinesTask, PerplexityTask, AgreementTask, RulerTask)
+}
 
 
 def make_task(name: str, tokenizer, **options) -> EvalTask:
