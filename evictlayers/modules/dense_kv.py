@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from evictlayers.core import Component
-from evictlayers.core.slots import batch_head_index
+from evictlayers.core.slots import along_slots, batch_head_index
 
 
 class DenseKV(Component):
@@ -44,7 +44,7 @@ class DenseSlots:
 
     def gather(self, index: torch.Tensor) -> DenseSlots:
         """Slots ``index`` ``[B, H, K]`` of each head, as new storage of ``K`` slots."""
-        return DenseSlots(*(t.gather(2, index[..., None].expand(*index.shape, t.shape[-1])) for t in self.dense()))
+        return DenseSlots(*(t.gather(2, along_slots(index, t)) for t in self.dense()))
 
     def append(self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor) -> DenseSlots:
         """New storage with ``Q`` more slots holding ``keys`` ``[B, H, Q, D]`` / ``values`` (a multi-token

@@ -35,10 +35,9 @@ from __future__ import annotations
 
 import torch
 
-from evictlayers.kernels.quantization import BITS, dequantize_groups, quantize_groups
-from evictlayers.core.slots import batch_head_index
 from evictlayers.core import Component
-
+from evictlayers.core.slots import along_slots, batch_head_index
+from evictlayers.kernels.quantization import BITS, dequantize_groups, quantize_groups
 
 NORMALISER_MIN_TOKENS = 64  # prompt tokens a head needs before its key channels are normalised
 
@@ -127,8 +126,8 @@ class QuantizedKV(Component):
         ring = storage.ring_slot.shape[-1]
         newest = pos.topk(ring, dim=-1).indices.flip(-1)  # oldest first, empty slots (pos -1) at the front
         storage.ring_slot = torch.where(pos.gather(2, newest) >= 0, newest, -1)
-        storage.ring_keys = keys.gather(2, _along(newest, keys))
-        storage.ring_values = values.gather(2, _along(newest, values))
+        storage.ring_keys = keys.gather(2, along_slots(newest, keys))
+        storage.ring_values = values.gather(2, along_slots(newest, values))
         return storage
 
 
@@ -193,7 +192,7 @@ class QuantizedSlots:
         (``index`` ``[B, H, K]`` int64; a repeated slot keeps its exact copy at its first occurrence only)."""
         tensors = {name: getattr(self, name) for name in _TENSORS}
         for name in _SLOTS:
-            tensors[name] = tensors[name].gather(2, _along(index, tensors[name]))
+            tensors[name] = tensors[name].gather(2, along_slots(index, tensors[name]))
         match = self.ring_slot[..., :, None] == index[..., None, :]  # [B, H, R, K]
         moved = torch.where(match.any(-1), match.int().argmax(-1), -1)
         tensors.update(self._resized_ring(moved, min(self.config.residual, index.shape[-1])))
@@ -244,7 +243,7 @@ class QuantizedSlots:
         pad = size - order.shape[-1]
 
         def resized(ring: torch.Tensor, fill: float) -> torch.Tensor:
-            kept = ring.gather(2, order if ring.dim() == 3 else _along(order, ring))
+            kept = ring.gather(2, order if ring.dim() == 3 else along_slots(order, ring))
             return torch.cat([kept.new_full((*kept.shape[:2], pad, *kept.shape[3:]), fill), kept], 2)
 
         return {
@@ -262,7 +261,7 @@ class QuantizedSlots:
         # entries pointing nowhere go to a scratch slot past the end, dropped afterwards
         target = self.ring_slot.masked_fill(self.ring_slot < 0, capacity)
         out = torch.cat([slots, slots.new_zeros(*slots.shape[:2], 1, slots.shape[3])], 2)
-        return out.scatter(2, _along(target, ring), ring)[:, :, :capacity]
+        return out.scatter(2, along_slots(target, ring), ring)[:, :, :capacity]
 
 
 # every tensor of a QuantizedSlots, and those indexed by slot (moved by gather)
@@ -275,8 +274,3 @@ _SLOTS = ("key_codes", "key_scale", "key_zero", "value_codes", "value_scale", "v
 
 def _scale_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float16 if dtype == torch.float16 else torch.bfloat16
-
-
-def _along(index: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """``[B, H, K]`` slot index expanded over ``like``'s last dim, for gather/scatter on dim 2."""
-    return index[..., None].expand(*index.shape, like.shape[-1])

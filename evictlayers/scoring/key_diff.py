@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
+from evictlayers.core.slots import along_slots
 from evictlayers.scoring.accumulator import ScoreAccumulator
 from evictlayers.scoring.view import Observation, SlotView
 
@@ -14,7 +15,7 @@ def inserted_keys(observation: Observation, view: SlotView, owner: str) -> tuple
     if observation.keys is None or observation.inserted is None:
         raise ValueError(f"{owner} scores keys: its Observation needs `keys` and `inserted` (the slot store gives both)")
     index = observation.inserted
-    keys = observation.keys.gather(2, index[..., None].expand(*index.shape, observation.keys.shape[-1]))
+    keys = observation.keys.gather(2, along_slots(index, observation.keys))
     return keys.float(), view.pos.gather(2, index) >= 0
 
 

@@ -68,7 +68,7 @@ def _verdicts(verdicts: list[tuple[Claim, Verdict]], meta: dict) -> list[str]:
         out.append(f"| {claim.number} | {claim.title} | {claim.sources} | **{verdict.status}**: {verdict.summary} |")
     out += [
         "",
-        "Criteria (fixed before the run, in `evictlayers/eval/claims.py`): *close to the full cache* = streamed "
+        "Criteria (fixed before the run, in `evictlayers/eval/claims/verdicts/`): *close to the full cache* = streamed "
         f"perplexity at most {PPL_CLOSE:.0%} above it, or passkey accuracy within one prompt in eight; "
         f"*collapses* = perplexity at least {PPL_COLLAPSE:.0%} above the full cache, or passkey three prompts in "
         f"eight below it; *at least as well* = perplexity at most {AS_GOOD_PPL:.0%} above, accuracy not lower; "
@@ -93,7 +93,7 @@ def _setup(results: dict, unavailable: dict) -> list[str]:
     out += [
         "- Budgets are per KV head and layer, physically held: every policy at the same budget holds the same KV "
         "bytes (the *KV MiB / seq* column). Recipes come from `recipes/`; `h2_only` (H2O Table 9's heavy hitters "
-        "without the recent window) is defined in `evictlayers/eval/claims.py`.",
+        "without the recent window) is defined in `evictlayers/eval/claims/experiments.py`.",
         "- Data: PG-19 sample books in `../shared/data/pg19-sample` (Project Gutenberg header and licence "
         "stripped; read at run time, not stored here); passkey and lines prompts are generated from seed 0.",
         "",
