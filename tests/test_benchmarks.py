@@ -94,12 +94,29 @@ def test_decode_reports_the_ideal_ratio_from_bytes_read(quick_run):
     for (config, prompt, batch), r in by_key.items():
         if r["status"] != "ok":
             continue
-        base = by_key[("hf-eager", prompt, batch)]
+        base = by_key[("hf-sdpa", prompt, batch)]
         assert r["info"]["ideal_ratio"] == pytest.approx(base["info"]["step_mib"] / r["info"]["step_mib"])
     # H2O at 20% holds a fifth of the tokens, so it reads fewer bytes per step than the full cache
     for prompt, batch in {(p, b) for _, p, b in by_key}:
-        h2o, hf = by_key[("el-h2o", prompt, batch)]["info"], by_key[("hf-eager", prompt, batch)]["info"]
+        h2o, hf = by_key[("el-h2o", prompt, batch)]["info"], by_key[("hf-sdpa", prompt, batch)]["info"]
         assert h2o["ideal_ratio"] > 1 and h2o["kv_mib"] < hf["kv_mib"]
+
+
+def test_decode_rows_say_their_share_of_the_bandwidth_limit_and_of_the_fastest_hf_row(quick_run):
+    rows = [r for r in quick_run[1]["benchmarks"]["decode"]["rows"] if r["status"] == "ok"]
+    bandwidths = {r["info"]["bandwidth_gb_s"] for r in rows}
+    assert len(bandwidths) == 1 and 0.1 < bandwidths.pop() < 10_000  # one measurement serves the run
+    for r in rows:
+        info, tokens = r["info"], r["metrics"]["tokens_per_s"]["value"]
+        step_bytes = info["step_mib"] * 2**20
+        assert info["limit_tokens_per_s"] == pytest.approx(r["params"]["batch"] * info["bandwidth_gb_s"] * 1e9 / step_bytes)
+        assert info["of_limit"] == pytest.approx(tokens / info["limit_tokens_per_s"])
+        if r["config"].startswith("hf-"):
+            assert info["vs_fastest_hf"] is None
+            continue
+        hf = [h["metrics"]["tokens_per_s"]["value"] for h in rows
+              if h["config"].startswith("hf-") and h["params"] == r["params"]]
+        assert info["vs_fastest_hf"] == pytest.approx(tokens / max(hf))
 
 
 def test_memory_matches_the_formula_for_bounded_caches(quick_run):
@@ -210,9 +227,9 @@ def test_prefill_child_loads_the_chosen_model(monkeypatch):
 
 def test_configs_and_prompts_restrict_the_plan():
     returned = main(["--quick", "--no-compile", "--threads", "1", "--only", "decode", "--prompts", "48",
-                     "--configs", "hf-eager", "el-h2o"])
+                     "--configs", "hf-sdpa", "el-h2o"])
     rows = returned["benchmarks"]["decode"]["rows"]
-    assert {(r["config"], r["params"]["prompt"]) for r in rows} == {("hf-eager", 48), ("el-h2o", 48)}
+    assert {(r["config"], r["params"]["prompt"]) for r in rows} == {("hf-sdpa", 48), ("el-h2o", 48)}
     assert all(r["metrics"]["tokens_per_s"]["ratio"] is not None for r in rows)
     with pytest.raises(SystemExit):
         main(["--quick", "--threads", "1", "--only", "decode", "--configs", "no-such-config"])

@@ -15,8 +15,14 @@ def test_demo_prints_its_table_and_full_cache_matches_the_unmodified_model(capsy
     # a 20% budget holds about a fifth of the unmodified cache (plus one spare slot per head)
     for row in (local, h2o):
         assert 0.15 < row["kv_bytes"] / unmodified["kv_bytes"] < 0.25
+    # every recipe's speed ratio divides by the unmodified run measured right before it
+    beside = [r["unmodified_decode_tokens_per_s"] for r in (full, local, h2o)]
+    low, high = unmodified["decode_spread"]
+    assert low == min(beside) and high == max(beside) and low <= unmodified["decode_tokens_per_s"] <= high
     table = demo.table(results)
-    assert table.count("\n") == len(results) + 1 and "| h2o |" in table
+    h2o_line = next(line for line in table.splitlines() if line.startswith("| h2o |"))
+    assert h2o_line.endswith(f"| {h2o['decode_tokens_per_s'] / beside[2]:.2f}x |")
+    assert f"({low:.1f}-{high:.1f})" in table
 
 
 @pytest.mark.slow
