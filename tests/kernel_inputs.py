@@ -129,3 +129,61 @@ def _softmax(logits):
     top = max(logits)
     weights = [math.exp(x - top) for x in logits]
     return [w / sum(weights) for w in weights]
+
+
+def quantized_inputs(seed, n_codes, n_residual, *, groups=3, kv_heads=2, head_dim=64, v_dim=None, bits=4, group=16,
+                     dtype=torch.float32):
+    """Decode inputs of the quantised op over ``n_codes`` code slots and ``n_residual`` dense residual slots,
+    batch 3: query ``[3, H_q, D]``, a ``PackedKV`` (keys normalised by power-of-two channel scales, as
+    ``QuantizedKV`` holds them; 16-bit scales), residual keys/values in ``dtype``, query_pos ``[3]``,
+    key_pos ``[3, H_kv, C]``, residual_pos ``[3, H_kv, R]``.
+
+    Every slot holds a distinct shuffled position below ``2 * (C + R)``; ~20% of the code slots are -1
+    (empty, or whose token the residual holds) and so is one residual entry. Row 0's query sees every
+    slot, row 1 is padding (-1), row 2 sees only the oldest quarter of the positions."""
+    from evictlayers.kernels.quantization import PackedKV, quantize_groups
+
+    g = torch.Generator().manual_seed(seed)
+    batch, total = 3, n_codes + n_residual
+    v_dim = v_dim or head_dim
+    keys = torch.randn(batch, kv_heads, n_codes, head_dim, generator=g) * 2
+    values = torch.randn(batch, kv_heads, n_codes, v_dim, generator=g)
+    channel = torch.ldexp(torch.ones(batch, kv_heads, 1, head_dim), torch.randint(-1, 3, (batch, kv_heads, 1, head_dim),
+                                                                                 generator=g))
+    scale_dtype = torch.float16 if dtype == torch.float16 else torch.bfloat16
+    packed = PackedKV(
+        *quantize_groups(keys / channel, bits, group, -1, scale_dtype), channel,
+        *quantize_groups(values, bits, group, -1, scale_dtype), bits, group,
+    )
+    residual_keys = torch.randn(batch, kv_heads, n_residual, head_dim, generator=g).to(dtype)
+    residual_values = torch.randn(batch, kv_heads, n_residual, v_dim, generator=g).to(dtype)
+    pos = torch.stack([torch.randperm(2 * total, generator=g)[:total] for _ in range(batch * kv_heads)])
+    pos = pos.view(batch, kv_heads, total)
+    key_pos, residual_pos = pos[..., :n_codes].clone(), pos[..., n_codes:].clone()
+    key_pos[torch.rand(key_pos.shape, generator=g) < 0.2] = -1
+    if n_residual:
+        residual_pos[0, 0, n_residual // 2] = -1
+    query = torch.randn(batch, kv_heads * groups, head_dim, generator=g).to(dtype)
+    query_pos = torch.tensor([2 * total, -1, total // 2])
+    return query, packed, residual_keys, residual_values, query_pos, key_pos, residual_pos
+
+
+def dequantized(packed, dtype):
+    """``(keys, values)`` of a ``PackedKV`` written out from the layout's definition (int4: channel ``2p`` in
+    the low nibble of byte ``p``; ``code * scale + zero`` per group, keys times their channel scale), in
+    float32 then cast to ``dtype``: the reference the quantised kernels' dequantisation is held to."""
+
+    def codes_of(packed_codes):
+        if packed.bits == 8:
+            return packed_codes.float()
+        low, high = (packed_codes & 15).float(), (packed_codes >> 4).float()
+        return torch.stack([low, high], -1).flatten(-2)
+
+    def values_of(packed_codes, scale, zero):
+        per_group = packed.group
+        return (codes_of(packed_codes) * scale.float().repeat_interleave(per_group, -1)
+                + zero.float().repeat_interleave(per_group, -1))
+
+    keys = values_of(packed.key_codes, packed.key_scale, packed.key_zero) * packed.key_channel_scale
+    values = values_of(packed.value_codes, packed.value_scale, packed.value_zero)
+    return keys.to(dtype), values.to(dtype)

@@ -3,8 +3,9 @@
 The reference is the eager decode step (the same function run without ``torch.compile``), whose
 behaviour the rest of the suite pins against the unmodified model and the papers' algorithms; the
 eviction guard makes sure the 300 steps really evict. Compiling a step takes ~20 s on one core, so
-the default suite compiles three policies (one-at-a-time eviction, the sort path with every scorer
-kind, and key scorers sharing the budget); the other shipped recipes compile in the slow suite.
+the default suite compiles four policies (one-at-a-time eviction, the same on int4 codes attended
+blockwise, the sort path with every scorer kind, and key scorers sharing the budget); the other shipped
+recipes compile in the slow suite.
 """
 
 from __future__ import annotations
@@ -44,6 +45,11 @@ def full_logits(model, steps: int) -> torch.Tensor:
 
 POLICIES = {
     "h2o": lambda: el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=10),
+    # attention straight from the packed codes (kernels/quantized_decode/cpu.py), the residual aging into codes
+    "h2o-int4": lambda: el.Policy(
+        el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=10,
+        storage=el.QuantizedKV(bits=4, group=8, residual=4),
+    ),
     "scissorhands-ahakv-parts": lambda: el.Policy(
         el.SinkTokens(2), el.RecentWindow(3),
         el.HeavyHitterSelector(el.Windowed(8), el.StepGainSoftmax(), el.ValuePrior()),
@@ -71,7 +77,7 @@ def test_one_graph_no_recompiles_same_logits_as_eager(name):
     assert sum(counters["recompiles"].values()) == 0, dict(counters["recompiles"])
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     assert stats == eager_stats
-    budget_rows = [10, 10] if name == "h2o" else [10, 7]  # 0.5 of each row's prompt, rounded half up
+    budget_rows = [10, 10] if name.startswith("h2o") else [10, 7]  # 0.5 of each row's prompt, rounded half up
     assert all(layer["retained_tokens"] <= max(budget_rows) for layer in stats["layers"])
     assert (eager - full_logits(model, STEPS)).abs().max() > 1e-3, "nothing was evicted"
 

@@ -9,7 +9,7 @@ from evictlayers.compose.recipes import shipped_recipes
 from evictlayers.kernels import dispatch
 from evictlayers.kernels.decode.naive import decode_attention_with_mass
 from evictlayers.kernels.prefill.naive import attention_with_mass
-from kernel_inputs import prefill_inputs
+from kernel_inputs import prefill_inputs, quantized_inputs
 from tiny_models import single_thread  # noqa: F401 (autouse fixture)
 
 
@@ -61,7 +61,8 @@ def spies(monkeypatch):
 
         return record
 
-    for name in ("attention_with_mass", "attention_with_mass_cpu", "decode_attention_with_mass"):
+    for name in ("attention_with_mass", "attention_with_mass_cpu", "decode_attention_with_mass",
+                 "quantized_decode_attention_with_mass", "quantized_decode_attention_with_mass_cpu"):
         monkeypatch.setattr(dispatch, name, recorder(name, getattr(dispatch, name)))
     return called
 
@@ -80,6 +81,35 @@ def test_dispatcher_picks_by_environment(kernels, monkeypatch, choice, prefill, 
     dispatch.prefill_attention(query, key, value, query_pos, key_pos, scaling=0.3)
     dispatch.decode_attention(query[:, :, 0], key, value, query_pos[:, 0], key_pos, scaling=0.3)
     assert called == [prefill, decode]
+
+
+@pytest.mark.parametrize(
+    "choice,backend",
+    [("auto", "quantized_decode_attention_with_mass_cpu"), ("reference", "quantized_decode_attention_with_mass")],
+)
+def test_quantized_decode_dispatch_hands_every_option_over(kernels, monkeypatch, choice, backend):
+    """CPU tensors: the blockwise backend under auto, dequantise-then-attend under reference; the mass
+    skipped on request; either way the reference's numbers."""
+    kernels(choice)
+    called = spies(monkeypatch)
+    inputs = quantized_inputs(4, 45, 6)
+    kwargs = dict(scaling=0.125, softcap=4.0, sliding_window=60, gqa_reduce="mean",
+                  score_gain=torch.tensor([2.0, 1.0, 0.5]))
+    got = dispatch.quantized_decode_attention(*inputs, **kwargs, need_mass=False)
+    assert called == [backend]
+    want = dispatch.quantized_decode_attention_with_mass(*inputs, **kwargs)
+    assert (got.mass == 0).all()
+    assert_same(got._replace(mass=want.mass), want)
+
+
+def test_decode_dispatch_hands_need_mass_over(kernels, monkeypatch):
+    kernels("auto")
+    query, key, value, query_pos, key_pos = prefill_inputs(13, 7, 2)
+    args = (query[:, :, -1], key, value, query_pos[:, -1], key_pos)
+    got = dispatch.decode_attention(*args, scaling=0.3, need_mass=False)
+    want = decode_attention_with_mass(*args, scaling=0.3)
+    assert (got.mass == 0).all()
+    assert_same(got._replace(mass=want.mass), want, atol=0.0)
 
 
 def test_dispatcher_rejects_unknown_choice(kernels):
@@ -134,15 +164,18 @@ def _prefill_and_decode(policy, monkeypatch, force_mass: bool):
 
 @pytest.mark.parametrize("recipe", shipped_recipes())
 def test_skipping_the_mass_changes_no_shipped_recipe(recipe, monkeypatch):
-    """A policy that declares it reads no summed mass (``reads_mass``) keeps, scores and outputs exactly
-    what it does when the prefill computes the mass anyway."""
+    """A policy that declares it reads no summed mass (``reads_mass``) keeps and scores exactly what it
+    does when the prefill computes the mass anyway, and outputs the same: exactly at every decode step,
+    and to float rounding at the prefill, whose rows nobody scores then come from the fused flash op
+    instead of the one-pass blocks (the kept rows get the same blocks either way)."""
     policy = el.load_recipe(recipe)
     skipped, skipped_outs = _prefill_and_decode(policy, monkeypatch, force_mass=False)
     forced, forced_outs = _prefill_and_decode(el.load_recipe(recipe), monkeypatch, force_mass=True)
     assert torch.equal(skipped.pos, forced.pos)
     for name in forced.state:
         torch.testing.assert_close(skipped.state[name], forced.state[name], rtol=0, atol=0, equal_nan=True)
-    for a, b in zip(skipped_outs, forced_outs):
+    torch.testing.assert_close(skipped_outs[0], forced_outs[0], rtol=1e-5, atol=1e-6)
+    for a, b in zip(skipped_outs[1:], forced_outs[1:]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -150,3 +183,18 @@ def test_which_policies_read_the_mass():
     assert el.load_recipe("h2o").reads_mass and el.load_recipe("ahakv").reads_mass
     assert not any(el.load_recipe(r).reads_mass for r in ("streaming_llm", "local", "full", "keydiff", "knorm",
                                                            "tova", "snapkv", "scissorhands", "tova_keydiff"))
+
+
+def test_what_a_decode_step_of_each_shipped_recipe_reads():
+    """The mass (summed or as the step's row), the slots' keys, their values: a decode step computes the
+    mass and dequantises a quantised cache only for recipes whose scorers read them (written out from the
+    components: attention-fed scorers and windows of rows read the mass; KeyDiff, KeyNorm and k-center the
+    keys; ValuePrior as a selector's prior the values, as ``ahakv``'s prefill prior only at prefill)."""
+    mass = {"ahakv", "ahakv_windowed", "h2o", "h2o_averaged", "h2o_int4", "h2o_windowed", "scissorhands",
+            "scissorhands_int4", "snapkv", "tova", "tova_keydiff"}
+    keys = {"clustergen_kcenter", "keydiff", "knorm", "tova_keydiff"}
+    values = {"ahakv_windowed"}
+    for recipe in shipped_recipes():
+        policy = el.load_recipe(recipe)
+        assert (policy.decode_needs_mass, policy.reads_keys, policy.reads_values) == (
+            recipe in mass, recipe in keys, recipe in values), recipe

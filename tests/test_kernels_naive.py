@@ -79,6 +79,17 @@ def test_decode_matches_the_loop(reduce, softcap, window, with_gain):
     assert (got.out[1] == 0).all() and (got.lse[1] == float("-inf")).all()
 
 
+def test_decode_without_the_mass_keeps_output_and_lse():
+    """``need_mass=False``: the mass is zeros (one broadcast zero, no buffer), output and LSE unchanged."""
+    query, key, value, query_pos, key_pos = _inputs(seed=6, q_len=1, n_slots=19)
+    args = (query[:, :, 0], key, value, torch.tensor([18, -1]), key_pos)
+    kwargs = dict(scaling=0.4, softcap=3.0, sliding_window=6, score_gain=torch.tensor([1.5, 0.5]))
+    got = decode_attention_with_mass(*args, **kwargs, need_mass=False)
+    want = decode_attention_with_mass(*args, **kwargs)
+    assert (got.mass == 0).all() and got.mass.shape == want.mass.shape and got.mass.stride() == (0, 0, 0)
+    assert torch.equal(got.out, want.out) and torch.equal(got.lse, want.lse)
+
+
 def test_padding_queries_and_empty_slots_get_nothing():
     query, key, value, query_pos, key_pos = _inputs(seed=3)
     out, mass, _ = attention_with_mass(query, key, value, query_pos, key_pos, scaling=1.0)

@@ -4,7 +4,8 @@
 is set here, before the kernel modules are imported. The interpreter is slow: shapes are small and the
 parametrisation covers each feature (head dims 64/80, value heads of another size, odd slot counts,
 GQA groups 1/2/3/4, the three reductions, gain, softcap, window, kept rows, the mass skipped,
-float32/float16) in a handful of cases rather than their product. Every buffer ``torch.empty`` hands
+float32/float16; for the quantised decode int4/int8 codes, group sizes, a residual or none) in a handful of
+cases rather than their product. Every buffer ``torch.empty`` hands
 out during a kernel call is filled with NaN, and so is the ``lse_out`` buffer passed in, so an output
 element the kernels forget to write, or a scratch value read before it is written, fails the test.
 """
@@ -26,7 +27,9 @@ from evictlayers.kernels.decode.naive import decode_attention_with_mass  # noqa:
 from evictlayers.kernels.decode.triton import decode_attention_with_mass_triton  # noqa: E402
 from evictlayers.kernels.prefill.naive import attention_with_mass  # noqa: E402
 from evictlayers.kernels.prefill.triton import attention_with_mass_triton  # noqa: E402
-from kernel_inputs import compare_prefill, poisoned_empty, prefill_inputs  # noqa: E402
+from evictlayers.kernels.quantized_decode.naive import quantized_decode_attention_with_mass  # noqa: E402
+from evictlayers.kernels.quantized_decode.triton import quantized_decode_attention_with_mass_triton  # noqa: E402
+from kernel_inputs import compare_prefill, poisoned_empty, prefill_inputs, quantized_inputs  # noqa: E402
 from tiny_models import single_thread  # noqa: E402,F401 (autouse fixture)
 
 pytestmark = [
@@ -102,6 +105,52 @@ def test_decode_matches_reference(dims, n_slots, groups, dtype, reduce, with_gai
     # the float16 reference rounds its logits to float16 before the softmax; the kernel keeps float32
     assert_matches(got, want, dtype, mass_atol=1e-5 if dtype == torch.float32 else 1e-3)
     assert (got.out[1] == 0).all() and (got.mass[1] == 0).all()
+
+
+def test_decode_without_the_mass_keeps_output_and_lse():
+    """``need_mass=False``: no logits are cached and no mass pass runs; the mass is zeros, the rest the reference's."""
+    g = torch.Generator().manual_seed(5)
+    query, key, value = tensors(g, torch.float32, (2, 6, 64), (2, 2, 70, 64), (2, 2, 70, 64))
+    key_pos, query_pos = slots(g, 2, 2, 70, 70), torch.tensor([140, -1])
+    kwargs = dict(scaling=0.125, sliding_window=50, score_gain=torch.tensor([1.5, 0.5]))
+    with poisoned_empty():
+        got = decode_attention_with_mass_triton(query, key, value, query_pos, key_pos, **kwargs, need_mass=False)
+    want = decode_attention_with_mass(query, key, value, query_pos, key_pos, **kwargs)
+    assert (got.mass == 0).all() and got.mass.shape == want.mass.shape
+    assert_matches(got._replace(mass=want.mass), want, torch.float32, mass_atol=1e-5)
+
+
+QUANTIZED_CASES = [
+    # n_codes, n_residual, groups, (head_dim, v_dim), bits, group, dtype, softcap, window, reduce, gain, need_mass
+    (37, 5, 1, (64, 64), 4, 16, torch.float32, None, None, "sum", False, True),
+    (100, 0, 3, (80, 48), 4, 8, torch.float32, 4.0, 60, "max", True, True),
+    (57, 17, 4, (64, 96), 8, 32, torch.float16, None, 40, "mean", True, True),
+    (41, 6, 2, (32, 32), 4, 1, torch.float16, 3.0, None, "sum", True, False),
+]
+
+
+@pytest.mark.parametrize(
+    "case", QUANTIZED_CASES,
+    ids=[f"c{c[0]}-r{c[1]}-d{c[3][0]}x{c[3][1]}-int{c[4]}-group{c[5]}-{str(c[6])[6:]}" for c in QUANTIZED_CASES],
+)
+def test_quantized_decode_matches_reference(case):
+    """The codes dequantised in registers against dequantise-then-attend, with a residual after the codes
+    (or none), padding and empty slots; ``need_mass=False`` must leave the mass at zero."""
+    n_codes, n_residual, groups, dims, bits, group, dtype, softcap, window, reduce, with_gain, need_mass = case
+    head_dim, v_dim = dims
+    inputs = quantized_inputs(n_codes, n_codes, n_residual, groups=groups, head_dim=head_dim, v_dim=v_dim, bits=bits,
+                              group=group, dtype=dtype)
+    kwargs = dict(scaling=head_dim**-0.5, softcap=softcap, sliding_window=window, gqa_reduce=reduce,
+                  score_gain=torch.tensor([1.7, 0.5, 0.0]) if with_gain else None)
+    with poisoned_empty():
+        got = quantized_decode_attention_with_mass_triton(*inputs, **kwargs, need_mass=need_mass)
+    want = quantized_decode_attention_with_mass(*inputs, **kwargs)
+    assert got.out.dtype == dtype and got.mass.shape == (3, 2, n_codes + n_residual)
+    if not need_mass:
+        assert (got.mass == 0).all()
+        got = got._replace(mass=want.mass)
+    assert_matches(got, want, dtype, mass_atol=1e-5 if dtype == torch.float32 else 1e-3)
+    assert (got.out[1] == 0).all()
 
 
 PREFILL_CASES = [

@@ -13,6 +13,8 @@ import torch
 from torch._dynamo.utils import counters
 
 import evictlayers as el
+from evictlayers.kernels.decode.naive import decode_attention_with_mass
+from evictlayers.modules.quantized_kv import QuantizedSlots
 from tiny_models import build, greedy, kv_geometry, left_padded, single_thread, unpad_row  # noqa: F401
 
 LENGTHS = [24, 15]
@@ -66,6 +68,55 @@ def test_int8_stays_close_to_dense_and_int4_moves_further(name):
     assert (int8.argmax(-1) == reference.argmax(-1)).all()
     # not vacuous: fewer bits, larger error
     assert (int8 - reference).abs().mean() < (int4 - reference).abs().mean()
+
+
+def dequantise_then_attend(self, query, pos, query_pos, **options):
+    """What a quantised decode step attended with before it read the codes directly: the whole cache
+    dequantised (ring tokens exact), then the naive decode kernel."""
+    keys, values = self.dense()
+    return decode_attention_with_mass(query, keys, values, query_pos, pos, **options)
+
+
+READERS = {
+    "h2o (mass)": lambda storage: h2o(8, storage),
+    "keydiff (keys)": lambda storage: el.Policy(
+        el.RecentWindow(2), el.HeavyHitterSelector(el.KeyDiff()), budget=8, storage=storage),
+    "value prior (values, rows)": lambda storage: el.Policy(
+        el.RecentWindow(2), el.HeavyHitterSelector(el.Windowed(4), prior=el.ValuePrior(3)), budget=8,
+        storage=storage),
+    "full cache (nothing)": lambda storage: el.Policy(budget=None, storage=storage),
+}
+
+
+@pytest.mark.parametrize("name", list(READERS))
+@pytest.mark.parametrize("residual", [0, 3])
+def test_decoding_from_the_codes_equals_dequantise_then_attend(name, residual, monkeypatch):
+    """The logits of every step (padded batch, eviction active, scorers that read the mass, keys, values
+    or nothing) equal those of the previous path, which dequantised the whole cache before attending."""
+    model = build("llama")
+    make = READERS[name]
+    storage = el.QuantizedKV(bits=4, group=8, residual=residual)
+    tokens, mask, width = continued(model, make(storage))
+    got = forced_logits(model, make(storage), tokens, mask, width)
+    monkeypatch.setattr(QuantizedSlots, "attend", dequantise_then_attend)
+    want = forced_logits(model, make(storage), tokens, mask, width)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("name,copies", [("h2o (mass)", False), ("full cache (nothing)", False),
+                                         ("keydiff (keys)", True), ("value prior (values, rows)", True)])
+def test_the_cache_is_dequantised_only_for_scorers_that_read_it(name, copies, monkeypatch):
+    calls = []
+    real = QuantizedSlots.dense
+    monkeypatch.setattr(QuantizedSlots, "dense", lambda self: calls.append(1) or real(self))
+    model = build("llama")
+    ids, mask = left_padded(LENGTHS)
+    with torch.no_grad(), el.apply(model, READERS[name](el.QuantizedKV(bits=4, group=8, residual=2))) as run:
+        cache = run.new_cache()
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache)
+        calls.clear()  # the prefill's own
+        model(input_ids=ids[:, -1:], attention_mask=torch.cat([mask, mask[:, -1:]], 1), past_key_values=cache)
+    assert bool(calls) == copies
 
 
 def test_full_cache_int8_is_close_to_the_unmodified_model():

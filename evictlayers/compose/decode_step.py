@@ -81,19 +81,28 @@ def decode_step(
     for name in policy.state_specs:  # per-slot state only: per-head state does not follow slots
         state[name].index_put_((rows, cols, slot), torch.zeros((), dtype=state[name].dtype, device=slot.device))
 
-    keys, values = kv.dense()
+    # the slots' keys and values as tensors: a dense storage's own (free); a quantised storage's dequantised
+    # copy only for what reads it (rotating keys to their ranks, scorers that declare it, the sketch's
+    # absorb, per-head state that forgets the victims' keys); attention itself reads the storage as held
+    wants_dense = (
+        kv.free_dense or rotary is not None or store.sketch is not None or policy.reads_keys
+        or policy.reads_values or bool(policy.head_state_specs)
+    )
+    keys, values = kv.dense() if wants_dense else (None, None)
     gain = policy.score_gain(query_pos[:, None], budget)
-    attended_query, attended_keys = query, keys
+    options = dict(
+        scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=policy.gqa_reduce,
+        score_gain=None if gain is None else gain[:, 0], need_mass=policy.decode_needs_mass,
+    )
     if rotary is not None:
         others = (pos >= 0).sum(-1) - (new_pos >= 0).long()  # [B, H]: held tokens besides the new one
         ranks.index_put_((rows, cols, slot), others.clamp(min=0))
-        attended_keys = rotate_at(keys, ranks, rotary)
         attended_query = rotate_queries(query, ranks.gather(2, slot[:, :, None]), rotary)
-    attention = decode_attention(
-        attended_query[:, :, 0], attended_keys, values, query_pos, pos,
-        scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=policy.gqa_reduce,
-        score_gain=None if gain is None else gain[:, 0],
-    )
+        attention = decode_attention(
+            attended_query[:, :, 0], rotate_at(keys, ranks, rotary), values, query_pos, pos, **options
+        )
+    else:
+        attention = kv.attend(query[:, :, 0], pos, query_pos, **options)
     out = attention.out[:, :, None]
     if store.sketch is not None:
         out = merge_sketch(

@@ -334,6 +334,21 @@ class Policy(nn.Module):
         """Whether a scorer reads the summed attention mass (a prefill computes it only then)."""
         return self.selectors.reads_mass if self.selectors is not None else False
 
+    @property
+    def decode_needs_mass(self) -> bool:
+        """Whether a one-token step's scorers read its attention mass: summed, or as the step's one row."""
+        return self.reads_mass or self.rows_needed > 0
+
+    @property
+    def reads_keys(self) -> bool:
+        """Whether a one-token step's scorers read the slots' keys (a quantised cache dequantises them only then)."""
+        return self.selectors.reads_keys if self.selectors is not None else False
+
+    @property
+    def reads_values(self) -> bool:
+        """Whether a one-token step's scorers read the slots' values (a quantised cache dequantises them only then)."""
+        return self.selectors.reads_values if self.selectors is not None else False
+
     def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
         """``[B, Q]`` factor on the logits of the scoring softmax, or ``None`` to score with the model's."""
         return self.selectors.score_gain(query_pos, budget) if self.selectors is not None else None

@@ -1,19 +1,20 @@
 """Attention ops that also report how much probability each key received, and KV quantisation.
 
-Each op is a folder of backends sharing one signature: ``prefill/`` (naive, cpu, triton) and
-``decode/`` (naive, triton); ``dispatch.py`` picks the backend. ``common.py`` holds the result types
-and input checks, ``triton_common.py`` the Triton helpers both ops use.
+Each op is a folder of backends sharing one signature: ``prefill/`` (naive, cpu, triton), ``decode/``
+(naive, triton) and ``quantized_decode/`` (naive, cpu, triton: attention over packed codes plus a dense
+residual); ``dispatch.py`` picks the backend. ``common.py`` holds the result types and input checks,
+``triton_common.py`` the Triton helpers the ops share; ``quantization.py`` packs and unpacks codes.
 """
 
 from evictlayers.kernels.attention_sinks import apply_attention_sinks
 from evictlayers.kernels.common import GQA_REDUCTIONS, AttentionMass, DecodeAttention
 from evictlayers.kernels.decode.naive import decode_attention_with_mass
-from evictlayers.kernels.dispatch import decode_attention, prefill_attention
+from evictlayers.kernels.dispatch import decode_attention, prefill_attention, quantized_decode_attention
 from evictlayers.kernels.prefill.naive import attention_with_mass
 
 # the Triton modules are imported by the dispatcher on first use only: triton reads TRITON_INTERPRET
 # when a kernel is defined, so importing them here would fix the interpreter choice too early
 __all__ = [
     "GQA_REDUCTIONS", "AttentionMass", "DecodeAttention", "apply_attention_sinks", "attention_with_mass",
-    "decode_attention", "decode_attention_with_mass", "prefill_attention",
+    "decode_attention", "decode_attention_with_mass", "prefill_attention", "quantized_decode_attention",
 ]

@@ -37,7 +37,8 @@ class DecodeAttention(NamedTuple):
 
     Attributes:
         out: ``[B, H_q, D_v]`` attention output in the query dtype (zero for a padding query).
-        mass: ``[B, H_kv, N]`` float32 scoring probability of each slot, reduced over its GQA group.
+        mass: ``[B, H_kv, N]`` float32 scoring probability of each slot, reduced over its GQA group; all
+            zeros when the caller passed ``need_mass=False`` (then nothing of it is computed).
         lse: ``[B, H_q]`` float32 log-sum-exp of the model's scaled (soft-capped) logits over the visible
             slots, ``-inf`` when none is visible (a padding query): the softmax normaliser in log space,
             which lets another source of keys (``ClusterSketch``'s sketch of evicted tokens) be merged
@@ -47,6 +48,12 @@ class DecodeAttention(NamedTuple):
     out: torch.Tensor
     mass: torch.Tensor
     lse: torch.Tensor
+
+
+def no_mass(batch: int, kv_heads: int, n_slots: int, device: torch.device) -> torch.Tensor:
+    """The ``[B, H_kv, N]`` float32 zeros a backend returns as the mass under ``need_mass=False``: one
+    zero broadcast (stride 0), so skipping the mass costs no buffer of the slots' size either."""
+    return torch.zeros((), dtype=torch.float32, device=device).expand(batch, kv_heads, n_slots)
 
 
 def reduce_group(per_head: torch.Tensor, how: str) -> torch.Tensor:
@@ -110,3 +117,61 @@ def check_inputs(
     if keep_rows < 0 or max_chunk_elements < 1:
         raise ValueError(f"keep_rows ({keep_rows}) must be >= 0 and max_chunk_elements ({max_chunk_elements}) >= 1")
     return q_heads // kv_heads
+
+
+def check_packed_inputs(
+    query: torch.Tensor,
+    packed,
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    residual_pos: torch.Tensor,
+    *,
+    gqa_reduce: str,
+    score_gain: torch.Tensor | None,
+) -> int:
+    """``check_inputs`` for the quantised decode op (``quantized_decode/``): the dense residual as the
+    keys and values, then the codes (a ``PackedKV``) against it; returns ``G``. Shapes and dtypes only."""
+    if query.dim() != 3:
+        raise ValueError(f"quantised decode attention takes one query per row, [B, H_q, D]; got {tuple(query.shape)}")
+    if residual_keys.dim() == 4 and tuple(residual_pos.shape) != tuple(residual_keys.shape[:3]):
+        raise ValueError(
+            f"residual_pos has shape {tuple(residual_pos.shape)}, expected {tuple(residual_keys.shape[:3])} "
+            "(one per residual slot)"
+        )
+    groups = check_inputs(
+        query, residual_keys, residual_values, query_pos, residual_pos, gqa_reduce=gqa_reduce, score_gain=score_gain
+    )
+    if packed.bits not in (4, 8) or packed.group < 1:
+        raise ValueError(
+            f"packed codes: bits must be 4 or 8 and group >= 1, got bits={packed.bits} group={packed.group}"
+        )
+    batch, kv_heads, _, head_dim = residual_keys.shape
+    value_dim = residual_values.shape[-1]
+    per_byte = 2 if packed.bits == 4 else 1
+    if key_pos.dim() != 3 or tuple(key_pos.shape[:2]) != (batch, kv_heads):
+        raise ValueError(f"key_pos has shape {tuple(key_pos.shape)}, expected [B, H_kv, C] = [{batch}, {kv_heads}, C]")
+    n_slots = key_pos.shape[-1]
+    expected = {
+        "key_codes": ((batch, kv_heads, n_slots, head_dim // per_byte), torch.uint8),
+        "key_scale": ((batch, kv_heads, n_slots, head_dim // packed.group), None),
+        "key_zero": ((batch, kv_heads, n_slots, head_dim // packed.group), None),
+        "key_channel_scale": ((batch, kv_heads, 1, head_dim), torch.float32),
+        "value_codes": ((batch, kv_heads, n_slots, value_dim // per_byte), torch.uint8),
+        "value_scale": ((batch, kv_heads, n_slots, value_dim // packed.group), None),
+        "value_zero": ((batch, kv_heads, n_slots, value_dim // packed.group), None),
+    }
+    if any(dim % packed.group or dim % per_byte for dim in (head_dim, value_dim)):
+        raise ValueError(
+            f"packed codes: group {packed.group} must divide the head dims {head_dim} and {value_dim}"
+            + (" (even for int4)" if per_byte == 2 else "")
+        )
+    for name, (shape, dtype) in expected.items():
+        tensor = getattr(packed, name)
+        if tuple(tensor.shape) != shape or (dtype is not None and tensor.dtype != dtype):
+            raise ValueError(
+                f"packed codes: {name} is {tensor.dtype} {tuple(tensor.shape)}, expected "
+                f"{dtype or 'a float'} {shape} for {packed.bits}-bit codes in groups of {packed.group}"
+            )
+    return groups

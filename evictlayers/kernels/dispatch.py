@@ -1,11 +1,12 @@
 """Pick the backend of each attention op for the tensors at hand.
 
-``decode_attention`` and ``prefill_attention`` take exactly the arguments every backend of their op
-takes (``decode/naive.py`` and ``prefill/naive.py`` document them) and hand them, unchanged, to one:
+``decode_attention``, ``quantized_decode_attention`` and ``prefill_attention`` take exactly the
+arguments every backend of their op takes (``decode/naive.py``, ``quantized_decode/naive.py`` and
+``prefill/naive.py`` document them) and hand them, unchanged, to one:
 
 - ``auto`` (default): Triton on CUDA tensors when Triton is installed; on CPU the naive decode (it
-  compiles into the fixed-shape decode graph) and the flash-attention CPU prefill; the naive
-  references on any other device;
+  compiles into the fixed-shape decode graph), the blockwise quantised decode and the flash-attention
+  CPU prefill; the naive references on any other device;
 - ``triton``: always the Triton kernels (CPU tensors only under ``TRITON_INTERPRET=1``, the interpreter);
 - ``reference``: always the naive references.
 
@@ -29,6 +30,9 @@ from evictlayers.kernels.common import AttentionMass, DecodeAttention
 from evictlayers.kernels.decode.naive import decode_attention_with_mass
 from evictlayers.kernels.prefill.cpu import attention_with_mass_cpu
 from evictlayers.kernels.prefill.naive import attention_with_mass
+from evictlayers.kernels.quantization import PackedKV
+from evictlayers.kernels.quantized_decode.cpu import quantized_decode_attention_with_mass_cpu
+from evictlayers.kernels.quantized_decode.naive import quantized_decode_attention_with_mass
 
 ENV_VAR = "EVICTLAYERS_KERNELS"
 CHOICES = ("auto", "triton", "reference")
@@ -84,6 +88,11 @@ def decode_backend(tensor: torch.Tensor) -> str:
     return "triton" if _use_triton(tensor) else "naive"
 
 
+def quantized_decode_backend(tensor: torch.Tensor) -> str:
+    """``"triton"``, ``"cpu"`` or ``"naive"``: the quantised decode backend that serves tensors like ``tensor``."""
+    return prefill_backend(tensor)  # the same rule: Triton on CUDA, the CPU backend on CPU under auto
+
+
 def decode_attention(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -96,14 +105,48 @@ def decode_attention(
     sliding_window: int | None = None,
     gqa_reduce: str = "sum",
     score_gain: torch.Tensor | None = None,
+    need_mass: bool = True,
 ) -> DecodeAttention:
-    """Decode attention with mass and LSE on the chosen backend; ``decode/naive.py`` documents the arguments."""
+    """Decode attention with mass and LSE on the chosen backend; ``decode/naive.py`` documents the arguments.
+
+    ``need_mass=False`` (the caller reads the output and LSE only): every backend skips the mass and
+    returns it as zeros."""
     kernel = decode_attention_with_mass
     if decode_backend(query) == "triton":
         from evictlayers.kernels.decode.triton import decode_attention_with_mass_triton as kernel
     return kernel(
         query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap,
-        sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain,
+        sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain, need_mass=need_mass,
+    )
+
+
+def quantized_decode_attention(
+    query: torch.Tensor,
+    packed: PackedKV,
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    residual_pos: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    gqa_reduce: str = "sum",
+    score_gain: torch.Tensor | None = None,
+    need_mass: bool = True,
+) -> DecodeAttention:
+    """Decode attention over code slots plus a dense residual, on the chosen backend; ``quantized_decode/naive.py``
+    documents the arguments (the mass covers the code slots, then the residual slots)."""
+    backend = quantized_decode_backend(query)
+    if backend == "triton":
+        from evictlayers.kernels.quantized_decode.triton import quantized_decode_attention_with_mass_triton as kernel
+    else:
+        kernel = quantized_decode_attention_with_mass_cpu if backend == "cpu" else quantized_decode_attention_with_mass
+    return kernel(
+        query, packed, residual_keys, residual_values, query_pos, key_pos, residual_pos, scaling=scaling,
+        softcap=softcap, sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain,
+        need_mass=need_mass,
     )
 
 

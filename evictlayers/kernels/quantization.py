@@ -21,9 +21,44 @@ float32, at most one 16-bit rounding step wider when scales are stored in 16 bit
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 BITS = (4, 8)
+
+
+class PackedKV(NamedTuple):
+    """The keys and values of ``C`` slots per ``(b, h)`` held as group-wise codes (``QuantizedKV``'s
+    layout, which the quantised decode kernels read without a dense copy).
+
+    Attributes (``P`` = ``D / 2`` for int4, two codes per byte, low nibble first; ``D`` for int8):
+        key_codes: ``[B, H, C, P]`` uint8; key_scale, key_zero: ``[B, H, C, D / group]`` (16-bit);
+        key_channel_scale: ``[B, H, 1, D]`` float32: a key is ``(code * scale + zero) * key_channel_scale``;
+        value_codes: ``[B, H, C, P_v]`` uint8; value_scale, value_zero: ``[B, H, C, D_v / group]``:
+            a value is ``code * scale + zero``;
+        bits: 4 or 8; group: channels per scale and zero point.
+    """
+
+    key_codes: torch.Tensor
+    key_scale: torch.Tensor
+    key_zero: torch.Tensor
+    key_channel_scale: torch.Tensor
+    value_codes: torch.Tensor
+    value_scale: torch.Tensor
+    value_zero: torch.Tensor
+    bits: int
+    group: int
+
+    def keys(self, dtype: torch.dtype, slots: slice = slice(None)) -> torch.Tensor:
+        """``[B, H, n, D]`` the keys of ``slots`` dequantised (in float32, then cast to ``dtype``)."""
+        codes, scale, zero = (t[:, :, slots] for t in (self.key_codes, self.key_scale, self.key_zero))
+        return (dequantize_groups(codes, scale, zero, self.bits, self.group) * self.key_channel_scale).to(dtype)
+
+    def values(self, dtype: torch.dtype, slots: slice = slice(None)) -> torch.Tensor:
+        """``[B, H, n, D_v]`` the values of ``slots`` dequantised (in float32, then cast to ``dtype``)."""
+        codes, scale, zero = (t[:, :, slots] for t in (self.value_codes, self.value_scale, self.value_zero))
+        return dequantize_groups(codes, scale, zero, self.bits, self.group, dtype=dtype)
 
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:

@@ -2,9 +2,9 @@
 
 A storage owns *how* a layer's slots hold their keys and values; the slot store owns *where* a token
 lives (DESIGN.md "Storage and what eviction does with a token"). Every storage builds slot objects with
-the same interface (``write``, ``dense``, ``append``, ``gather``, ``grow``, ``index_select_batch``,
-``nbytes``), so
-the store, its compiled decode step and eviction never look inside: ``QuantizedKV`` is the other one.
+the same interface (``write``, ``attend``, ``dense``, ``append``, ``gather``, ``grow``,
+``index_select_batch``, ``nbytes``, and ``free_dense``: whether ``dense`` costs nothing), so the store,
+its compiled decode step and eviction never look inside: ``QuantizedKV`` is the other one.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import torch
 
 from evictlayers.core import Component
 from evictlayers.core.slots import along_slots, batch_head_index
+from evictlayers.kernels import DecodeAttention, decode_attention
 
 
 class DenseKV(Component):
@@ -26,6 +27,8 @@ class DenseKV(Component):
 class DenseSlots:
     """One layer's keys and values, ``[B, H, C, D]`` and ``[B, H, C, Dv]``, addressed by slot."""
 
+    free_dense = True  # dense() is the tensors held, no copy
+
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
         self.keys, self.values = keys, values
 
@@ -37,6 +40,11 @@ class DenseSlots:
         rows, cols = batch_head_index(slot)
         self.keys.index_put_((rows, cols, slot), key)
         self.values.index_put_((rows, cols, slot), value)
+
+    def attend(self, query: torch.Tensor, pos: torch.Tensor, query_pos: torch.Tensor, **options) -> DecodeAttention:
+        """Decode attention over the slots (``kernels.decode_attention``): ``query`` ``[B, H_q, D]``, ``pos``
+        ``[B, H, C]``, ``query_pos`` ``[B]``, ``options`` the decode kernels' keywords."""
+        return decode_attention(query, self.keys, self.values, query_pos, pos, **options)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys, values)`` themselves: no copy."""

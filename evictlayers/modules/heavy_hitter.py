@@ -132,6 +132,14 @@ class HeavyHitterSelector(Selector):
     def reads_mass(self) -> bool:
         return self.accumulator.reads_mass
 
+    @property
+    def reads_keys(self) -> bool:
+        return self.accumulator.reads_keys or (self.prior is not None and self.prior.reads_keys)
+
+    @property
+    def reads_values(self) -> bool:
+        return self.accumulator.reads_values or (self.prior is not None and self.prior.reads_values)
+
     def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
         """``[B, Q]`` factor on the logits of the scoring softmax, or ``None`` for the model's own."""
         return None if self.transform is None else self.transform.score_gain(query_pos, budget)

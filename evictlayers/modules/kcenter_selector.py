@@ -55,6 +55,10 @@ class KCenterSelector(Selector):
         return True
 
     @property
+    def reads_keys(self) -> bool:
+        return True  # gaps are distances between held keys
+
+    @property
     def tie_tolerance(self) -> float:
         return TIE_TOLERANCE  # k-center distances tie exactly in real arithmetic (core/ties.py)
 

@@ -25,10 +25,18 @@ On keys with two 20x outlier channels this brings int4 error on the other channe
 per-channel error (plain per-token groups) to within 10% of it
 (``test_channel_normalisation_tames_outlier_channels``).
 
-Residual: a token's codes are written into its slot when it arrives; the newest ``residual`` real
-tokens per head also keep an exact copy in a small ring that overlays their slots in :meth:`dense`.
-Aging out of the ring is overwriting the ring entry (the slot already holds its codes), so no token is
-re-quantised and a slot freed while its token was still in the ring needs no clean-up.
+Residual (KIVI's full-precision window): each token is held once, dense or as codes, never both. The
+newest ``residual`` real tokens per head are dense, in a small ring that overlays their slots
+(``ring_slot``); their slots' code rows are reserved and ignored meanwhile. When a new token takes the
+ring's oldest entry, that entry's token ages out: it is quantised, once, into its own slot's code row, so
+aging moves no slot (the slot store's positions and scorer state never follow a token from dense to
+codes) and no token is ever re-quantised. A slot freed while its token is in the ring is dropped from the
+ring when the slot is written next. Deviation from KIVI: KIVI's residual is a separate region of
+``residual`` tokens beside the codes; here every slot has a code row, so the ring's tokens also reserve
+``residual`` code rows per head (``nbytes`` counts them), which is what lets aging happen in place.
+
+Attention (``attend``) reads the codes and the ring as they are held: ``kernels/quantized_decode``
+unpacks the codes block by block (CPU) or in registers (Triton), with no dense copy of the cache.
 """
 
 from __future__ import annotations
@@ -37,7 +45,8 @@ import torch
 
 from evictlayers.core import Component
 from evictlayers.core.slots import along_slots, batch_head_index
-from evictlayers.kernels.quantization import BITS, dequantize_groups, quantize_groups
+from evictlayers.kernels import DecodeAttention, quantized_decode_attention
+from evictlayers.kernels.quantization import BITS, PackedKV, quantize_groups
 
 NORMALISER_MIN_TOKENS = 64  # prompt tokens a head needs before its key channels are normalised
 
@@ -107,8 +116,9 @@ class QuantizedKV(Component):
         self, keys: torch.Tensor, values: torch.Tensor, pos: torch.Tensor, *, layer: int | None = None
     ) -> QuantizedSlots:
         """Storage holding ``keys`` ``[B, H, N, D]`` / ``values`` ``[B, H, N, Dv]`` in ``N`` slots, with
-        ``pos`` ``[B, H, N]`` (``-1`` = empty): every slot quantised, each head's ``residual`` newest
-        tokens by ``pos`` also kept exact. Sets the per-channel key normalisation from these keys when a
+        ``pos`` ``[B, H, N]`` (``-1`` = empty): each head's ``residual`` newest tokens by ``pos`` dense in
+        the ring, the others as codes (every slot is quantised in one pass; a ring slot's code row is
+        ignored until its token ages out, when it is written again from the same values). Sets the per-channel key normalisation from these keys when a
         head holds at least ``NORMALISER_MIN_TOKENS`` of them (otherwise none: a stream's first token)."""
         batch, heads, slots, head_dim = keys.shape
         storage = self.allocate(batch, heads, slots, head_dim, values.shape[-1], keys.dtype, keys.device, layer=layer)
@@ -140,8 +150,8 @@ class QuantizedSlots:
       by ``key_channel_scale`` ``[B, H, 1, D]`` (float32 powers of two), quantised per token;
     - ``value_codes`` ``[B, H, C, Pv]``, ``value_scale``/``value_zero`` ``[B, H, C, Dv / group]``;
     - ``ring_keys``/``ring_values`` ``[B, H, R, D]`` in the model dtype, ``ring_slot`` ``[B, H, R]`` int64:
-      the slot each exact copy overlays (``-1`` = none), ``cursor`` ``[B, H]``: the ring entry written next,
-      which is the oldest.
+      the slot whose token each entry holds dense (``-1`` = none; that slot's code row is not read),
+      ``cursor`` ``[B, H]``: the ring entry written next, which is the oldest.
 
     Scales and zero points are 16-bit as in KIVI: float16 for float16 models, bfloat16 otherwise
     (float32's range, so no key or value can overflow them).
@@ -150,6 +160,8 @@ class QuantizedSlots:
     model dtype's rounding of the result.
     """
 
+    free_dense = False  # dense() dequantises a copy: the decode step asks for it only when a scorer reads it
+
     def __init__(self, config: QuantizedKV, dtype: torch.dtype, **tensors: torch.Tensor):
         self.config, self.dtype = config, dtype
         for name in _TENSORS:
@@ -157,40 +169,73 @@ class QuantizedSlots:
 
     def write(self, slot: torch.Tensor, key: torch.Tensor, value: torch.Tensor, pos: torch.Tensor) -> None:
         """Store one token per head in place: ``slot``/``pos`` ``[B, H]`` int64, ``key`` ``[B, H, D]``,
-        ``value`` ``[B, H, Dv]``. ``pos < 0`` (a padding token) fills the slot but not the ring.
+        ``value`` ``[B, H, Dv]``. A real token (``pos >= 0``) enters the ring, and the token it displaces from
+        the ring is quantised into that token's own slot; without a ring it is quantised into ``slot``. A
+        padding token (``pos < 0``) leaves the ring as it is (its slot stays empty).
 
         ``index_put_`` rather than ``scatter_``, as in ``DenseSlots.write``: under ``torch.compile``
         inductor then writes the buffers in place instead of copying them every step."""
         rows, cols = batch_head_index(slot)
-        for buffer, new in zip(
-            (self.key_codes, self.key_scale, self.key_zero, self.value_codes, self.value_scale, self.value_zero),
-            (*self._quantize_keys(key[:, :, None]), *self._quantize(value[:, :, None])),
-        ):
-            buffer.index_put_((rows, cols, slot), new[:, :, 0])
         if self.ring_slot.shape[-1] == 0:
+            self._put_codes(rows, cols, slot, key, value)
             return
         real = pos >= 0
-        # the slot's previous token is gone: an exact copy of it left in the ring must not overlay the new one
+        # the slot's previous token is gone: its ring entry (if it was still dense) must not overlay the new one
         self.ring_slot.masked_fill_(self.ring_slot == slot[..., None], -1)
-        # a real token takes the oldest entry (aging its token out to the codes in its slot); padding
-        # rows rewrite that entry with what it holds
         entry = (rows, cols, self.cursor)
-        self.ring_slot.index_put_(entry, torch.where(real, slot, self.ring_slot[entry]))
+        oldest = self.ring_slot[entry]
+        # KIVI's aging: the oldest dense token becomes codes in its own slot when a real token takes its entry;
+        # otherwise the write goes to ``slot``, whose code row nobody reads (the new token is dense, or padding)
+        aged = torch.where(real & (oldest >= 0), oldest, slot)
+        self._put_codes(rows, cols, aged, self.ring_keys[entry], self.ring_values[entry])
+        self.ring_slot.index_put_(entry, torch.where(real, slot, oldest))
         for ring, new in ((self.ring_keys, key), (self.ring_values, value)):
             ring.index_put_(entry, torch.where(real[..., None], new.to(ring.dtype), ring[entry]))
         self.cursor.copy_((self.cursor + real.long()) % self.ring_slot.shape[-1])
 
+    def packed(self) -> PackedKV:
+        """The code slots as the quantised decode kernels read them (``kernels/quantization.py``)."""
+        return PackedKV(
+            self.key_codes, self.key_scale, self.key_zero, self.key_channel_scale, self.value_codes,
+            self.value_scale, self.value_zero, self.config.bits, self.config.group,
+        )
+
+    def attend(self, query: torch.Tensor, pos: torch.Tensor, query_pos: torch.Tensor, **options) -> DecodeAttention:
+        """Decode attention over the slots as they are held (``kernels/quantized_decode``: the codes are
+        unpacked block by block or in registers, never into a dense copy of the cache), with the mass
+        ``[B, H, C]`` per slot: a ring token's mass goes to the slot it overlays.
+
+        ``query`` ``[B, H_q, D]``, ``pos`` ``[B, H, C]`` the slots' positions, ``query_pos`` ``[B]``; ``options``
+        are the decode kernels' keywords (``scaling``, ``softcap``, ``sliding_window``, ``gqa_reduce``,
+        ``score_gain``, ``need_mass``)."""
+        live = self.ring_slot >= 0
+        target = self.ring_slot.clamp(min=0)
+        # a slot whose token is dense is attended through its ring entry, not its (stale) code row
+        dense = torch.zeros_like(pos).scatter_add_(2, target, live.long()) > 0
+        attention = quantized_decode_attention(
+            query, self.packed(), self.ring_keys, self.ring_values, query_pos, pos.masked_fill(dense, -1),
+            torch.where(live, pos.gather(2, target), -1), **options,
+        )
+        capacity = pos.shape[-1]
+        codes_mass, ring_mass = attention.mass[..., :capacity], attention.mass[..., capacity:]
+        if options.get("need_mass", True):
+            codes_mass = codes_mass.scatter_add(2, target, torch.where(live, ring_mass, 0.0))
+        return attention._replace(mass=codes_mass)
+
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys [B, H, C, D], values [B, H, C, Dv])`` dequantised in the model dtype, ring tokens exact."""
-        bits, group = self.config.bits, self.config.group
-        keys = dequantize_groups(self.key_codes, self.key_scale, self.key_zero, bits, group) * self.key_channel_scale
-        values = dequantize_groups(self.value_codes, self.value_scale, self.value_zero, bits, group)
-        return self._overlay(keys.to(self.dtype), self.ring_keys), self._overlay(values.to(self.dtype), self.ring_values)
+        packed = self.packed()
+        return (
+            self._overlay(packed.keys(self.dtype), self.ring_keys),
+            self._overlay(packed.values(self.dtype), self.ring_values),
+        )
 
     def gather(self, index: torch.Tensor) -> QuantizedSlots:
         """New storage of ``K`` slots: slot ``j`` of head ``(b, h)`` is this storage's slot ``index[b, h, j]``
-        (``index`` ``[B, H, K]`` int64; a repeated slot keeps its exact copy at its first occurrence only)."""
+        (``index`` ``[B, H, K]`` int64; a repeated slot is dense at its first occurrence only). Every ring
+        token is quantised into its slot first, so a token the smaller ring drops keeps its codes."""
         tensors = {name: getattr(self, name) for name in _TENSORS}
+        tensors.update(self._ring_as_codes())
         for name in _SLOTS:
             tensors[name] = tensors[name].gather(2, along_slots(index, tensors[name]))
         match = self.ring_slot[..., :, None] == index[..., None, :]  # [B, H, R, K]
@@ -233,6 +278,29 @@ class QuantizedSlots:
 
     def _quantize_keys(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self._quantize(keys.float() / self.key_channel_scale)
+
+    def _put_codes(self, rows, cols, slot: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Quantise one token per head (``key`` ``[B, H, D]``, ``value`` ``[B, H, Dv]``) into ``slot`` ``[B, H]``."""
+        for buffer, new in zip(
+            (self.key_codes, self.key_scale, self.key_zero, self.value_codes, self.value_scale, self.value_zero),
+            (*self._quantize_keys(key[:, :, None]), *self._quantize(value[:, :, None])),
+        ):
+            buffer.index_put_((rows, cols, slot), new[:, :, 0])
+
+    def _ring_as_codes(self) -> dict[str, torch.Tensor]:
+        """The slot tensors (``_SLOTS``) with every ring token quantised into its slot, out of place."""
+        ring = self.ring_slot.shape[-1]
+        codes = {name: getattr(self, name) for name in _SLOTS}
+        if ring == 0:
+            return codes
+        quantized = (*self._quantize_keys(self.ring_keys), *self._quantize(self.ring_values))
+        # entries pointing nowhere go to a scratch slot past the end, dropped afterwards
+        capacity = self.key_codes.shape[2]
+        target = self.ring_slot.masked_fill(self.ring_slot < 0, capacity)
+        for (name, slots), new in zip(codes.items(), quantized):
+            padded = torch.cat([slots, slots.new_zeros(*slots.shape[:2], 1, slots.shape[3])], 2)
+            codes[name] = padded.scatter(2, along_slots(target, new), new)[:, :, :capacity]
+        return codes
 
     def _resized_ring(self, ring_slot: torch.Tensor, size: int) -> dict[str, torch.Tensor]:
         """The ring with ``size`` entries, oldest first from entry 0 (cursor 0): the newest ``size`` of the

@@ -41,6 +41,17 @@ class Selector(Component):
         return False
 
     @property
+    def reads_keys(self) -> bool:
+        """Whether a one-token step's ``update`` or ``score`` reads the slots' keys (``SlotView.keys``,
+        ``Observation.keys``): a quantised cache is dequantised for them only then."""
+        return False
+
+    @property
+    def reads_values(self) -> bool:
+        """Whether a one-token step's ``update`` or ``score`` reads the slots' values (``Observation.values``)."""
+        return False
+
+    @property
     def reads_candidates(self) -> bool:
         """Whether ``update`` reads ``view.candidates`` (the policy then fills ``view.protected``)."""
         return False

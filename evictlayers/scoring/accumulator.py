@@ -25,6 +25,11 @@ class ScoreAccumulator(Component):
     # whether ``update`` reads ``Observation.mass`` (the summed probabilities): a prefill whose scorers
     # read none skips computing it (the CPU kernel's second pass over the logits)
     reads_mass: bool = True
+    # whether a one-token step's ``update`` or ``score`` reads the slots' keys (``Observation.keys``,
+    # ``SlotView.keys``) or values (``Observation.values``): a quantised cache is dequantised for them only
+    # then (a dense cache always hands them over; a multi-token step always does)
+    reads_keys: bool = False
+    reads_values: bool = False
     nonnegative: bool = True  # scores are attention mass (>= 0), so a multiplicative prior may weight them
     # relative gap under which two scores count as tied (the oldest slot goes first): 0 = exact; a score
     # that ties exactly in real arithmetic (a rotation-invariant one) sets it so float noise cannot decide

@@ -45,6 +45,7 @@ class KeyDiff(ScoreAccumulator):
     head_state_specs = {"anchor": ("head_dim",)}
     nonnegative = False  # a negative cosine: a multiplicative prior would invert the ranking
     reads_mass = False  # keys only
+    reads_keys = True
 
     def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
         keys, held = inserted_keys(observation, view, "KeyDiff")

@@ -24,6 +24,7 @@ class KeyNorm(ScoreAccumulator):
     state_specs = {"key_norm": ()}
     nonnegative = False  # minus a norm: a multiplicative prior would invert the ranking
     reads_mass = False  # keys only
+    reads_keys = True  # the arriving key's norm
     tie_tolerance = 1e-4
 
     def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:

@@ -13,6 +13,9 @@ class ScorePrior(Component):
     """A per-slot weight multiplied into the selector's score; keeps its own per-slot state."""
 
     state_specs: dict[str, tuple[int, ...]] = {}
+    # as ``ScoreAccumulator``'s: whether a one-token step's ``update`` or ``weight`` reads keys / values
+    reads_keys: bool = False
+    reads_values: bool = False
 
     def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
         raise NotImplementedError
@@ -52,6 +55,7 @@ class ValuePrior(ScorePrior):
 
     param_names = ("pool",)
     state_specs = {"prior_sum": (), "prior_count": ()}
+    reads_values = True  # ||v||^2 of every held slot
 
     def __init__(self, pool: int = 5):
         super().__init__()

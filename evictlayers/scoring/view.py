@@ -16,7 +16,8 @@ class SlotView:
         seen: ``[B]`` int64 real (non-padding) tokens seen per row, the current ones included.
         budget: ``[B]`` int64 slots this layer may keep per head, or ``None`` for an unbounded cache.
         keys: ``[B, H_kv, N, D]`` the slots' keys (post-RoPE, dequantised), for scores computed from key
-            geometry (``KeyDiff``, ``KeyNorm``); ``None`` where the caller has none to give.
+            geometry (``KeyDiff``, ``KeyNorm``); ``None`` where the caller has none to give (a quantised
+            cache's one-token step whose scorers do not declare ``reads_keys``).
         window: the layer's sliding window (a query sees itself and the ``window - 1`` tokens before it),
             ``None`` for a full-attention layer.
         protected: ``[B, H_kv, N]`` bool, the slots a protection (``RecentWindow``, ``SinkTokens``) holds,
@@ -67,11 +68,12 @@ class Observation:
         rows: ``[B, H_kv, R, N]`` the same for each of the step's last ``R`` queries (``R`` is what the
             policy asked for, at most the step's query count).
         row_pos: ``[B, R]`` int64 original position of those queries, ``-1`` for padding.
-        values: ``[B, H_kv, N, D_v]`` the slots' values.
+        values: ``[B, H_kv, N, D_v]`` the slots' values; ``None`` in a quantised cache's one-token step whose
+            scorers do not declare ``reads_values``.
         group_size: query heads per KV head (GQA group).
         gqa_reduce: how the group's probabilities were combined (``"sum"``, ``"mean"``, ``"max"``).
         keys: ``[B, H_kv, N, D]`` the slots' keys (post-RoPE), for key-fed scorers such as
-            ``KCenterSelector``; ``None`` where the caller has none to give.
+            ``KCenterSelector``; ``None`` where the caller has none to give (as ``SlotView.keys``).
         inserted: ``[B, H_kv, n]`` int64 the slots this step wrote its ``n`` tokens to (a padding token's
             slot holds position ``-1``), so per-slot facts about a key are computed once, on arrival;
             ``None`` where the caller has none to give.
@@ -80,7 +82,7 @@ class Observation:
     mass: torch.Tensor
     rows: torch.Tensor
     row_pos: torch.Tensor
-    values: torch.Tensor
+    values: torch.Tensor | None
     group_size: int
     gqa_reduce: str
     keys: torch.Tensor | None = None

@@ -6,7 +6,7 @@
   ``TRITON_INTERPRET`` when a kernel is defined).
 
 Each takes ``(query, key, value, query_pos, key_pos, *, scaling, softcap, sliding_window, gqa_reduce,
-score_gain)`` and returns ``DecodeAttention``; ``naive.py`` documents the arguments.
+score_gain, need_mass)`` and returns ``DecodeAttention``; ``naive.py`` documents the arguments.
 """
 
 from evictlayers.kernels.decode.naive import decode_attention_with_mass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from evictlayers.kernels.common import DecodeAttention, check_inputs, reduce_group
+from evictlayers.kernels.common import DecodeAttention, check_inputs, no_mass, reduce_group
 
 
 def decode_attention_with_mass(
@@ -27,6 +27,7 @@ def decode_attention_with_mass(
     sliding_window: int | None = None,
     gqa_reduce: str = "sum",
     score_gain: torch.Tensor | None = None,
+    need_mass: bool = True,
 ) -> DecodeAttention:
     """One query per row attending over unordered slots (the decode signature of every backend).
 
@@ -43,12 +44,40 @@ def decode_attention_with_mass(
         gqa_reduce: ``"sum"``, ``"mean"`` or ``"max"`` over the query heads of a GQA group.
         score_gain: ``[B]`` factor on the logits of the scoring softmax only (AhaKV's SG-softmax);
             ``None`` scores with the model's own probabilities.
+        need_mass: ``False`` when the caller reads the output and LSE only (no scorer reads the mass):
+            the mass is not computed and comes back as zeros.
     """
     groups = check_inputs(query, key, value, query_pos, key_pos, gqa_reduce=gqa_reduce, score_gain=score_gain)
     batch, q_heads, head_dim = query.shape
     kv_heads = key.shape[1]
     grouped = query.view(batch, kv_heads, groups, head_dim).to(key.dtype)
     logits = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling  # [B, H_kv, G, N]
+    probs, lse, scores = slot_softmax(
+        logits, query_pos, key_pos, softcap=softcap, sliding_window=sliding_window, score_gain=score_gain,
+        need_mass=need_mass,
+    )
+    out = torch.matmul(probs.to(value.dtype), value)  # [B, H_kv, G, D_v]
+    mass = reduce_group(scores, gqa_reduce) if need_mass else no_mass(*key_pos.shape, key_pos.device)
+    return DecodeAttention(out.reshape(batch, q_heads, -1).to(query.dtype), mass, lse.reshape(batch, q_heads))
+
+
+def slot_softmax(
+    logits: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    *,
+    softcap: float | None,
+    sliding_window: int | None,
+    score_gain: torch.Tensor | None,
+    need_mass: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The softmax of a decode step's scaled logits ``[B, H_kv, G, N]`` (float32) over the visible slots.
+
+    Returns ``(probs, lse, scores)``: the model's probabilities (0 where hidden, and for a padding row),
+    the log-sum-exp ``[B, H_kv, G]`` (``-inf`` for a row that sees nothing) and the scoring
+    probabilities (``probs`` again without a ``score_gain``; ``None`` when ``need_mass`` is false).
+    Shared by every PyTorch decode backend, so they mask and normalise alike.
+    """
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap
     q_pos = query_pos[:, None, None]
@@ -60,10 +89,9 @@ def decode_attention_with_mass(
     lse = torch.logsumexp(masked, dim=-1)  # [B, H_kv, G]; -inf for a row that sees nothing
     probs = torch.softmax(masked, dim=-1)
     probs = torch.where(visible, probs, 0.0)  # a row that sees nothing (padding) is NaN: zero it
-    out = torch.matmul(probs.to(value.dtype), value)  # [B, H_kv, G, D_v]
-    if score_gain is not None:
-        gained = logits * score_gain.float()[:, None, None, None]
-        probs = torch.where(visible, torch.softmax(gained.masked_fill(~visible, float("-inf")), dim=-1), 0.0)
-    return DecodeAttention(
-        out.reshape(batch, q_heads, -1).to(query.dtype), reduce_group(probs, gqa_reduce), lse.reshape(batch, q_heads)
-    )
+    if not need_mass:
+        return probs, lse, None
+    if score_gain is None:
+        return probs, lse, probs
+    gained = logits * score_gain.float()[:, None, None, None]
+    return probs, lse, torch.where(visible, torch.softmax(gained.masked_fill(~visible, float("-inf")), dim=-1), 0.0)
