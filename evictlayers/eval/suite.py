@@ -526,11 +526,13 @@ class RulerTask(EvalTask):
     def run(self, model, policy: el.Policy, batch: dict, shared) -> list[dict]:
         pad, eos = self.tokenizer.pad_token_id, self.tokenizer.eos_token_id
         rows = batch["rows"]
-        groups = [[r for r in rows if r["setting"] == "query_aware"]]
+        aware = [r for r in rows if r["setting"] == "query_aware"]
+        # one batch per generation length (tasks generate different amounts), one run per agnostic row
+        groups = [[r for r in aware if r["max_new_tokens"] == n] for n in dict.fromkeys(r["max_new_tokens"] for r in aware)]
         groups += [[r] for r in rows if r["setting"] == "query_agnostic"]
         records = []
-        for group in filter(None, groups):
-            steps = max(r["max_new_tokens"] for r in group)
+        for group in groups:
+            steps = group[0]["max_new_tokens"]
             if group[0]["setting"] == "query_aware":
                 new, cache, stats, seconds = generate_query_aware(
                     model, policy, [r["input_ids"] for r in group], steps, pad, self.compile)
@@ -539,8 +541,7 @@ class RulerTask(EvalTask):
                     model, policy, group[0]["input_ids"], group[0]["n_context"], steps, pad, self.compile)
             memory = self._memory_records(cache, stats, len(group), seconds)
             for b, row in enumerate(group):
-                # a row's own budget of new tokens (a batch may mix tasks that generate different amounts)
-                tokens = new[b, : row["max_new_tokens"]].tolist()
+                tokens = new[b].tolist()
                 if eos in tokens:  # what follows a row's end of sequence is padding
                     tokens = tokens[: tokens.index(eos) + 1]
                 text = postprocess(self.tokenizer.decode(tokens, skip_special_tokens=True))
