@@ -206,12 +206,13 @@ class Subject:
 
 
 def tiny_llama() -> torch.nn.Module:
-    """A 2-layer random Llama with SmolLM2's GQA ratio (3 query heads per KV head), for ``--quick``."""
+    """A 2-layer random Llama with SmolLM2's GQA ratio (3 query heads per KV head), for ``--quick``; head dim
+    32, so the int4 recipes' groups of 32 channels fit."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
         vocab_size=256, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=6,
-        num_key_value_heads=2, max_position_embeddings=4096, tie_word_embeddings=True,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=4096, tie_word_embeddings=True,
     )
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)

@@ -7,10 +7,11 @@ Configurations (baseline: the unmodified model on transformers' default path, SD
   ``model.get_compiled_call`` (what ``generate(cache_implementation="static")`` runs on GPUs; on a CPU
   generate only compiles with ``CompileConfig(_compile_all_devices=True)``, so the loop here calls it
   directly);
-- ``el-full``, ``el-h2o`` (``evictlayers/recipes/full.yaml``, ``evictlayers/recipes/h2o.yaml`` at 20%): evictlayers,
-  eager and ``-compiled`` (``evictlayers.apply(..., compile=True)``).
+- ``el-full``, ``el-h2o``, ``el-h2o-int4`` (``evictlayers/recipes/full.yaml``, ``h2o.yaml`` at 20%,
+  ``h2o_int4.yaml``: the same on int4 codes): evictlayers, eager and ``-compiled``
+  (``evictlayers.apply(..., compile=True)``).
 
-Each family (HF, full, h2o) prefills once per prompt at batch 1; every configuration decodes from a
+Each family (HF, full, h2o, h2o_int4) prefills once per prompt at batch 1; every configuration decodes from a
 copy tiled to its batch. A measurement is ``warmup`` steps (compilation happens there), then
 ``repeats`` blocks of ``steps`` steps; the value is the median block's tokens/s over all rows.
 Beside it:
@@ -93,8 +94,11 @@ CONFIGS = [
     ("el-full-compiled", "full", True),
     ("el-h2o", "h2o", False),
     ("el-h2o-compiled", "h2o", True),
+    ("el-h2o-int4", "h2o_int4", False),
+    ("el-h2o-int4-compiled", "h2o_int4", True),
 ]
-BUDGET = {"hf": 1.0, "full": 1.0, "h2o": 0.2}  # fraction of the prompt each family keeps (estimate only)
+# fraction of the prompt each family keeps (estimate only)
+BUDGET = {"hf": 1.0, "full": 1.0, "h2o": 0.2, "h2o_int4": 0.2}
 
 
 def skip_reason(context: Context) -> str | None:
@@ -181,7 +185,7 @@ def cases(context: Context) -> list[Case]:
             info["timed_compiles"] = timed_compiles
         return row(config, params, {"tokens_per_s": metric(tokens_per_s, "tokens/s", BASELINE, True)}, info)
 
-    for family in ("hf", "full", "h2o"):
+    for family in ("hf", "full", "h2o", "h2o_int4"):
         for prompt in plan.prompts:
             wanted = [(c, k) for c, f, k in CONFIGS if f == family and settings.wants(c)]  # --configs
             for index, (config, compiled) in enumerate(wanted):

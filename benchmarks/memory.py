@@ -7,8 +7,8 @@ ratio). The formula is ``layers * 2 * B * H_kv * slots * D * bytes`` (a sliding-
 Gemma 3, counts at most ``window - 1`` slots) with ``slots`` the tokens seen
 for ``hf`` and ``el-full`` (a full cache holds every token) and ``budget + 1`` for ``el-h2o`` at 20%
 (``budget = round_half_up(0.2 * prompt)``; the spare slot is where the next token lands).
-``vs_formula`` is measured / formula: ``el-full`` grows its slots in steps of an eighth, so it may
-hold up to 1.125x the tokens it has seen.
+``vs_formula`` is measured / formula: ``el-full`` grows its slots in steps of ``2 * sqrt(slots)``
+(``compose/store.py``'s ``growth_slots``), so it may hold that many more slots than the tokens it has seen.
 """
 
 from __future__ import annotations

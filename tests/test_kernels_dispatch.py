@@ -62,16 +62,17 @@ def spies(monkeypatch):
         return record
 
     for name in ("attention_with_mass", "attention_with_mass_cpu", "decode_attention_with_mass",
-                 "quantized_decode_attention_with_mass", "quantized_decode_attention_with_mass_cpu"):
+                 "decode_attention_with_mass_cpu", "quantized_decode_attention_with_mass",
+                 "quantized_decode_attention_with_mass_cpu"):
         monkeypatch.setattr(dispatch, name, recorder(name, getattr(dispatch, name)))
     return called
 
 
 @pytest.mark.parametrize(
     "choice,prefill,decode",
-    [("auto", "attention_with_mass_cpu", "decode_attention_with_mass"),
+    [("auto", "attention_with_mass_cpu", "decode_attention_with_mass_cpu"),
      ("reference", "attention_with_mass", "decode_attention_with_mass"),
-     ("", "attention_with_mass_cpu", "decode_attention_with_mass")],
+     ("", "attention_with_mass_cpu", "decode_attention_with_mass_cpu")],
     ids=["auto", "reference", "empty-means-auto"],
 )
 def test_dispatcher_picks_by_environment(kernels, monkeypatch, choice, prefill, decode):
@@ -102,14 +103,18 @@ def test_quantized_decode_dispatch_hands_every_option_over(kernels, monkeypatch,
     assert_same(got._replace(mass=want.mass), want)
 
 
-def test_decode_dispatch_hands_need_mass_over(kernels, monkeypatch):
-    kernels("auto")
+@pytest.mark.parametrize("choice,backend", [("auto", "decode_attention_with_mass_cpu"),
+                                            ("reference", "decode_attention_with_mass")])
+def test_decode_dispatch_hands_need_mass_over(kernels, monkeypatch, choice, backend):
+    kernels(choice)
+    called = spies(monkeypatch)
     query, key, value, query_pos, key_pos = prefill_inputs(13, 7, 2)
     args = (query[:, :, -1], key, value, query_pos[:, -1], key_pos)
-    got = dispatch.decode_attention(*args, scaling=0.3, need_mass=False)
-    want = decode_attention_with_mass(*args, scaling=0.3)
+    got = dispatch.decode_attention(*args, scaling=0.3, sliding_window=5, need_mass=False)
+    assert called == [backend]
+    want = decode_attention_with_mass(*args, scaling=0.3, sliding_window=5)
     assert (got.mass == 0).all()
-    assert_same(got._replace(mass=want.mass), want, atol=0.0)
+    assert_same(got._replace(mass=want.mass), want)
 
 
 def test_dispatcher_rejects_unknown_choice(kernels):
@@ -157,7 +162,8 @@ def _prefill_and_decode(policy, monkeypatch, force_mass: bool):
     q, k, v = (torch.randn(2, h, 304, 64, generator=g) for h in (6, 2, 2))
     store = el.SlotStore(policy)
     outs = [store.step(q[:, :, :300], k[:, :, :300], v[:, :, :300], scaling=0.125)]
-    outs += [store.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], scaling=0.125) for i in range(300, 304)]
+    for i in range(300, 304):
+        outs.append(store.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], scaling=0.125))
     monkeypatch.setattr(store_module, "prefill_attention", real)
     return store, outs
 

@@ -4,9 +4,10 @@
 arguments every backend of their op takes (``decode/naive.py``, ``quantized_decode/naive.py`` and
 ``prefill/naive.py`` document them) and hand them, unchanged, to one:
 
-- ``auto`` (default): Triton on CUDA tensors when Triton is installed; on CPU the naive decode (it
-  compiles into the fixed-shape decode graph), the blockwise quantised decode and the flash-attention
-  CPU prefill; the naive references on any other device;
+- ``auto`` (default): Triton on CUDA tensors when Triton is installed; on CPU the CPU backends (they
+  compile into the fixed-shape decode graph): the decode through the fused flash op when no mass is
+  wanted, the blockwise quantised decode, the one-pass prefill; the naive references on any other
+  device;
 - ``triton``: always the Triton kernels (CPU tensors only under ``TRITON_INTERPRET=1``, the interpreter);
 - ``reference``: always the naive references.
 
@@ -27,6 +28,7 @@ import os
 import torch
 
 from evictlayers.kernels.common import AttentionMass, DecodeAttention
+from evictlayers.kernels.decode.cpu import decode_attention_with_mass_cpu
 from evictlayers.kernels.decode.naive import decode_attention_with_mass
 from evictlayers.kernels.prefill.cpu import attention_with_mass_cpu
 from evictlayers.kernels.prefill.naive import attention_with_mass
@@ -84,12 +86,8 @@ def prefill_backend(tensor: torch.Tensor) -> str:
 
 
 def decode_backend(tensor: torch.Tensor) -> str:
-    """``"triton"`` or ``"naive"``: the decode backend that serves tensors like ``tensor``."""
-    return "triton" if _use_triton(tensor) else "naive"
-
-
-def quantized_decode_backend(tensor: torch.Tensor) -> str:
-    """``"triton"``, ``"cpu"`` or ``"naive"``: the quantised decode backend that serves tensors like ``tensor``."""
+    """``"triton"``, ``"cpu"`` or ``"naive"``: the decode backend (of either decode op) that serves tensors
+    like ``tensor``."""
     return prefill_backend(tensor)  # the same rule: Triton on CUDA, the CPU backend on CPU under auto
 
 
@@ -111,9 +109,11 @@ def decode_attention(
 
     ``need_mass=False`` (the caller reads the output and LSE only): every backend skips the mass and
     returns it as zeros."""
-    kernel = decode_attention_with_mass
-    if decode_backend(query) == "triton":
+    backend = decode_backend(query)
+    if backend == "triton":
         from evictlayers.kernels.decode.triton import decode_attention_with_mass_triton as kernel
+    else:
+        kernel = decode_attention_with_mass_cpu if backend == "cpu" else decode_attention_with_mass
     return kernel(
         query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap,
         sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain, need_mass=need_mass,
@@ -138,7 +138,7 @@ def quantized_decode_attention(
 ) -> DecodeAttention:
     """Decode attention over code slots plus a dense residual, on the chosen backend; ``quantized_decode/naive.py``
     documents the arguments (the mass covers the code slots, then the residual slots)."""
-    backend = quantized_decode_backend(query)
+    backend = decode_backend(query)
     if backend == "triton":
         from evictlayers.kernels.quantized_decode.triton import quantized_decode_attention_with_mass_triton as kernel
     else:

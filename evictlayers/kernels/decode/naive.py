@@ -2,7 +2,8 @@
 
 One query per row, so there is no query chunking and no host synchronisation: every op has a fixed
 shape, which is what lets the slot store's decode step compile into one graph
-(``torch.compile(fullgraph=True)``); on CPU this is the kernel the dispatcher runs. The logits are
+(``torch.compile(fullgraph=True)``); on CPU the dispatcher runs it whenever the mass is wanted
+(``cpu.py`` hands such calls here). The logits are
 computed once and serve both the output and the mass (H2O Algorithm 1 lines 8-9 accumulate exactly
 this mass); the cache is never cast or copied: the matmuls run in the cache dtype and only the
 ``[B, H, N]`` logits are float32.
