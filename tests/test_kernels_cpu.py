@@ -1,10 +1,15 @@
-"""The CPU prefill backend against the naive reference on odd shapes, every option, NaN-poisoned buffers."""
+"""The CPU prefill backend against the naive reference on odd shapes, every option, NaN-poisoned buffers.
+
+Both of its paths are covered: the one-pass blocks (every row whose probabilities are read, and every
+row under softcap or with value heads of another size) and the fused flash op (rows whose output
+alone is needed); small ``max_chunk_elements`` cut the queries into many blocks and chunks."""
 
 import pytest
 import torch
 
 import evictlayers.kernels.prefill.cpu as prefill_cpu
 from evictlayers.kernels.prefill.cpu import attention_with_mass_cpu
+from evictlayers.kernels.prefill.naive import attention_with_mass
 from kernel_inputs import compare_prefill, prefill_inputs
 from tiny_models import single_thread  # noqa: F401 (autouse fixture)
 
@@ -39,6 +44,16 @@ def test_cpu_prefill_with_softcap_and_value_heads_of_another_size(head_dim, v_di
                     gqa_reduce="max", score_gain=gain, keep_rows=5, max_chunk_elements=400, need_mass=need_mass)
 
 
+@pytest.mark.parametrize("softcap", [None, 3.0], ids=["plain", "softcap"])
+@pytest.mark.parametrize("need_mass", [True, False], ids=["mass", "no-mass"])
+def test_cpu_prefill_of_an_unpadded_prompt(softcap, need_mass):
+    """One in-order prompt: each block's leading slots are seen by all its rows and go unmasked."""
+    inputs = prefill_inputs(29, 0, 53, groups=2, batch=1)
+    gain = torch.rand(1, 53, generator=torch.Generator().manual_seed(6)) * 2
+    compare_prefill(attention_with_mass_cpu, inputs, scaling=0.3, softcap=softcap, gqa_reduce="mean",
+                    score_gain=gain, keep_rows=7, max_chunk_elements=900, need_mass=need_mass)
+
+
 @pytest.mark.parametrize("keep_rows", [0, 1, 6, 40], ids=lambda r: f"rows{r}")
 @pytest.mark.parametrize("with_gain", [False, True], ids=["model-softmax", "score-gain"])
 def test_cpu_prefill_without_the_mass_keeps_output_and_rows(keep_rows, with_gain):
@@ -51,17 +66,18 @@ def test_cpu_prefill_without_the_mass_keeps_output_and_rows(keep_rows, with_gain
 
 
 def test_cpu_prefill_without_mass_or_rows_scores_nothing(monkeypatch):
-    """With neither the mass nor kept rows wanted, no probability is recomputed: the flash op alone."""
+    """With neither the mass nor kept rows wanted, no probability is computed: the flash op alone. With
+    kept rows, only the blocks holding them are."""
     scored = []
-    real = prefill_cpu._scoring_probs
-    monkeypatch.setattr(prefill_cpu, "_scoring_probs", lambda *a: scored.append(1) or real(*a))
+    real = prefill_cpu._block
+    monkeypatch.setattr(prefill_cpu, "_block", lambda *a, **k: scored.append(k["scored"]) or real(*a, **k))
     query, key, value, query_pos, key_pos = prefill_inputs(13, 5, 40)
     attention_with_mass_cpu(query, key, value, query_pos, key_pos, scaling=0.3, need_mass=False,
                             max_chunk_elements=300)
     assert scored == []
     attention_with_mass_cpu(query, key, value, query_pos, key_pos, scaling=0.3, need_mass=False, keep_rows=2,
                             max_chunk_elements=300)
-    assert len(scored) == 2  # chunks of one query here (300 elements): the last two only
+    assert scored == [True, True]  # blocks of one query here (300 elements, 45 slots): the last two only
 
 
 def test_cpu_prefill_in_half_precision_and_with_keep_rows_beyond_the_chunk():
@@ -72,16 +88,54 @@ def test_cpu_prefill_in_half_precision_and_with_keep_rows_beyond_the_chunk():
 
 
 def test_cpu_prefill_leaves_a_float32_cache_uncopied(monkeypatch):
-    """The flash op and the logits matmul read the cache itself (views, stride-0 group expansion)."""
+    """The flash op and the one-pass blocks read the cache itself (views, stride-0 group expansion)."""
     query, key, value, query_pos, key_pos = prefill_inputs(7, 8, 10)
     seen = []
-    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
-    def spy(q, k, v, **kwargs):
-        seen.append((k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()))
-        return flash(q, k, v, **kwargs)
+    def spy(name, real):
+        def record(q, k, v, *args, **kwargs):
+            seen.append((name, k.untyped_storage().data_ptr(), v.untyped_storage().data_ptr()))
+            return real(q, k, v, *args, **kwargs)
 
-    monkeypatch.setattr(prefill_cpu, "_FLASH", spy)
-    attention_with_mass_cpu(query, key, value, query_pos, key_pos, scaling=0.3, max_chunk_elements=200)
-    assert len(seen) > 1
-    assert set(seen) == {(key.untyped_storage().data_ptr(), value.untyped_storage().data_ptr())}
+        return record
+
+    monkeypatch.setattr(prefill_cpu, "_FLASH", spy("flash", prefill_cpu._FLASH))
+    monkeypatch.setattr(prefill_cpu, "_block", spy("block", prefill_cpu._block))
+    attention_with_mass_cpu(query, key, value, query_pos, key_pos, scaling=0.3, max_chunk_elements=200,
+                            need_mass=False, keep_rows=3)
+    # chunks through the flash op, then blocks for the kept rows, all on the cache's own storage
+    assert {name for name, *_ in seen} == {"flash", "block"}
+    cache = (key.untyped_storage().data_ptr(), value.untyped_storage().data_ptr())
+    assert {tuple(ptrs) for _, *ptrs in seen} == {cache}
+
+
+@pytest.mark.parametrize("need_mass", [True, False], ids=["one-pass", "flash"])
+def test_cpu_prefill_fills_a_strided_lse_out(need_mass):
+    """An ``lse_out`` that is not contiguous (every other element of a buffer) is filled all the same."""
+    query, key, value, query_pos, key_pos = prefill_inputs(19, 6, 14)
+    lse = torch.full((*query.shape[:3], 2), float("nan"))[..., 0]
+    want = torch.empty(query.shape[:3])
+    attention_with_mass_cpu(query, key, value, query_pos, key_pos, scaling=0.3, lse_out=lse, need_mass=need_mass)
+    attention_with_mass(query, key, value, query_pos, key_pos, scaling=0.3, lse_out=want)
+    assert not lse.is_contiguous()
+    torch.testing.assert_close(lse, want, rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_prefill_blocks_hold_at_most_max_chunk_elements_logits(monkeypatch):
+    """The memory bound: each one-pass block's logits ``[B * H_kv, G, r, L]`` stay within
+    ``max_chunk_elements`` (a block of one row excepted), and a causal prompt's early blocks see only
+    the slots up to their last row."""
+    shapes = []
+    real = prefill_cpu._block
+
+    def record(queries, keys, *args, **kwargs):
+        shapes.append((queries.shape, keys.shape))
+        return real(queries, keys, *args, **kwargs)
+
+    monkeypatch.setattr(prefill_cpu, "_block", record)
+    inputs = prefill_inputs(23, 0, 61, batch=1)
+    compare_prefill(attention_with_mass_cpu, inputs, scaling=0.3, keep_rows=4, max_chunk_elements=2000)
+    assert len(shapes) > 3
+    for (rows_of, groups, r, _), (_, limit, _) in shapes:
+        assert r == 1 or rows_of * groups * r * limit <= 2000
+    assert shapes[0][1][1] < 61  # the first block does not reach the last slots

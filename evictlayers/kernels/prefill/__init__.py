@@ -1,7 +1,8 @@
 """Prefill attention with per-slot mass: one signature, three backends.
 
 - ``naive.py``: ``attention_with_mass``, the plain PyTorch reference (any device);
-- ``cpu.py``: ``attention_with_mass_cpu``, PyTorch's fused flash attention for CPU plus the column sums;
+- ``cpu.py``: ``attention_with_mass_cpu``, output, probabilities and column sums from one logits block per
+  block of query rows (the fused flash op for rows nobody scores);
 - ``triton.py``: ``attention_with_mass_triton``, imported on first use only (triton reads
   ``TRITON_INTERPRET`` when a kernel is defined).
 
