@@ -276,3 +276,20 @@ def test_string_match_part_by_hand():
 def test_postprocess_as_ruler():
     assert postprocess("  1234567\x00and\t89  ") == "1234567\nand\n89"
     assert postprocess("\n answer \n") == "answer"
+
+
+# ---- the real tokenizer and books ---------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length", [1000, 4096])
+def test_real_tokenizer_and_books_fill_the_length(length):
+    from evictlayers import models
+
+    _, tokenizer = models.load_default()
+    books = Books(read_texts())
+    for task, spec in TASKS.items():
+        for sample in ruler_samples(tokenizer, task, length, n_samples=2, books=books, chat=True):
+            total = len(tokenizer(sample.text, add_special_tokens=False)["input_ids"]) + spec.tokens_to_generate
+            # within one haystack unit; the longest is a line holding two UUIDs (~70 tokens)
+            assert length - 80 <= total <= length, (task, total)

@@ -48,30 +48,32 @@ def markdown_table(result: dict) -> str:
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for run in result["runs"]:
         for setting, by_length in run["scores"].items():
+            memory = run.get("memory_by_setting", {}).get(setting, run)
             for length, by_task in by_length.items():
                 cells = [run["policy"], _budget_text(run), SHORT[setting], length]
                 cells += [f"{by_task[t]:.1f}" if t in by_task else "-" for t in tasks]
-                cells += [f"{sum(by_task.values()) / len(by_task):.1f}", f"{run['kept_fraction']:.1%}",
-                          f"{run['tokens_per_s']:.1f}"]
+                cells += [f"{sum(by_task.values()) / len(by_task):.1f}", f"{memory['kept_fraction']:.1%}",
+                          f"{memory['tokens_per_s']:.1f}"]
                 lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
 def plot_ruler(results: Sequence[dict], path: str | Path, title: str | None = None) -> Path | None:
     """Score against compression ratio: one row of panels per model (each result is one model's run),
-    one column for the average and one per RULER task group present; one line per recipe (solid:
-    query-aware, dashed: query-agnostic), the full cache as a black horizontal line. Returns the path,
+    one column for the average and one per RULER task group present; one line per recipe (solid, filled
+    circles: query-aware; dashed, open squares: query-agnostic), the full cache as a black horizontal line. Returns the path,
     or ``None`` when matplotlib is missing."""
-    from evictlayers.eval.report import _pyplot, _save
+    from evictlayers.eval.report import _pyplot
 
     plt = _pyplot()
     if plt is None:
         return None
     present = {t for r in results for t in r["settings"]["tasks"]}
     panels = [("average", None)] + [(g, names) for g, names in GROUPS.items() if present & set(names)]
-    fig, axes = plt.subplots(len(results), len(panels), figsize=(3.6 * len(panels) + 1.6, 3.0 * len(results)),
+    fig, axes = plt.subplots(len(results), len(panels), figsize=(3.6 * len(panels), 3.0 * len(results)),
                              squeeze=False, sharey=True)
     styles = {"query_aware": "-", "query_agnostic": "--"}
+    markers = {"query_aware": {"marker": "o"}, "query_agnostic": {"marker": "s", "fillstyle": "none"}}
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     policies = list(dict.fromkeys(r["policy"] for result in results for r in result["runs"] if not r["full_cache"]))
     for row, result in enumerate(results):
@@ -89,8 +91,8 @@ def plot_ruler(results: Sequence[dict], path: str | Path, title: str | None = No
                                     if r["policy"] == policy and not r["full_cache"])
                     points = [p for p in points if p[1] is not None]
                     if points:
-                        ax.plot([x for x, _ in points], [y for _, y in points], marker="o", linestyle=styles[setting],
-                                color=colors[policies.index(policy) % len(colors)],
+                        ax.plot([x for x, _ in points], [y for _, y in points], linestyle=styles[setting],
+                                color=colors[policies.index(policy) % len(colors)], **markers[setting],
                                 label=f"{policy} ({SHORT[setting]})")
             ax.set_title(f"{result.get('model') or 'model'}: {group}", fontsize=9)
             ax.set_xlim(-0.02, 1.0)
@@ -105,7 +107,11 @@ def plot_ruler(results: Sequence[dict], path: str | Path, title: str | None = No
             if label not in handles:
                 handles[label] = h
                 labels.append(label)
-    fig.legend([handles[lab] for lab in labels], labels, fontsize=8, loc="center right")
     fig.suptitle(title or "RULER score vs compression ratio", fontsize=10)
-    fig.subplots_adjust(right=0.78)
-    return _save(plt, fig, path)
+    fig.tight_layout()
+    # beside the panels, not over them; the saved image is widened to hold it
+    fig.legend([handles[lab] for lab in labels], labels, fontsize=8, loc="center left", bbox_to_anchor=(1.0, 0.5))
+    path = Path(path)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path

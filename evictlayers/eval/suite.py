@@ -551,8 +551,12 @@ class RulerTask(EvalTask):
         return records
 
     def summarize(self, records: Sequence[dict]) -> dict:
+        memory = {}
+        for setting in self.setting:
+            common = self._common_summary([r for r in records if r["setting"] == setting])
+            memory[setting] = {k: common[k] for k in ("kept_fraction", "kv_bytes", "tokens_per_s", "budget_tokens")}
         return {**summarize_ruler(records), "prompt_tokens": sum(r["prompt_tokens"] for r in records) / len(records),
-                **self._common_summary(records)}
+                "memory_by_setting": memory, **self._common_summary(records)}
 
 
 TASKS: dict[str, type[EvalTask]] = {
