@@ -28,7 +28,8 @@ def format_score(value: float, score_name: str) -> str:
     return f"{value:.3f}"
 
 
-def _budget_text(run: dict) -> str:
+def budget_text(run: dict) -> str:
+    """A run's budget as a table cell: ``full``, ``20%`` or ``512 tok``."""
     if run["full_cache"] or run["budget"] is None:
         return "full"
     budget = run["budget"]
@@ -52,7 +53,7 @@ def markdown_table(result: dict) -> str:
               "tokens/s", "evenness"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for run in result["runs"]:
-        cells = [run["policy"], _budget_text(run), format_score(run["score"], score_name)]
+        cells = [run["policy"], budget_text(run), format_score(run["score"], score_name)]
         for _, key in extra:
             value = run.get(key)
             if key == "correct":

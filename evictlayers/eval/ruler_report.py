@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
+from evictlayers.eval.report import budget_text
 from evictlayers.eval.tasks.ruler import GROUPS, TASKS
 
 __all__ = ["compression_ratio", "markdown_table", "plot_ruler", "score_of"]
@@ -34,13 +35,6 @@ def score_of(run: dict, setting: str, tasks: Sequence[str] | None = None) -> flo
     return sum(values) / len(values) if values else None
 
 
-def _budget_text(run: dict) -> str:
-    if run["full_cache"] or run["budget"] is None:
-        return "full"
-    budget = run["budget"]
-    return f"{budget:.0%}" if isinstance(budget, float) else f"{budget} tok"
-
-
 def markdown_table(result: dict) -> str:
     """RULER's task scores (0-100) per recipe, budget, setting and length, with their average."""
     tasks = [t for t in TASKS if t in result["settings"]["tasks"]]
@@ -50,7 +44,7 @@ def markdown_table(result: dict) -> str:
         for setting, by_length in run["scores"].items():
             memory = run.get("memory_by_setting", {}).get(setting, run)
             for length, by_task in by_length.items():
-                cells = [run["policy"], _budget_text(run), SHORT[setting], length]
+                cells = [run["policy"], budget_text(run), SHORT[setting], length]
                 cells += [f"{by_task[t]:.1f}" if t in by_task else "-" for t in tasks]
                 cells += [f"{sum(by_task.values()) / len(by_task):.1f}", f"{memory['kept_fraction']:.1%}",
                           f"{memory['tokens_per_s']:.1f}"]
