@@ -79,8 +79,12 @@ def static_copy(model, source, batch: int, max_cache_len: int):
 
 def kv_resident_bytes(cache) -> int:
     """Bytes of the key/value tensors a cache holds, which is what a decode step reads: every token of
-    a DynamicCache, every slot of a StaticCache or of an evictlayers slot store."""
-    return sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
+    a DynamicCache, every slot of a StaticCache or of an evictlayers slot store (as its storage holds
+    them: codes, scales and zero points for int4, not the dense copy ``layer.keys`` dequantises)."""
+    return sum(
+        layer.store.kv_bytes() if hasattr(layer, "store") else layer.keys.nbytes + layer.values.nbytes
+        for layer in cache.layers if layer.keys is not None
+    )
 
 
 class DecodeLoop:

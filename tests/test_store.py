@@ -105,6 +105,21 @@ def test_full_cache_grows_and_keeps_everything():
     assert store.capacity >= 40
 
 
+def test_full_cache_grows_by_twice_the_square_root_of_its_slots():
+    """Each growth adds ``max(64, 2 * isqrt(C))`` slots: the copy a growth makes, spread over the steps it
+    covers, against the empty slots attention reads meanwhile (``compose/store.py``'s ``growth_slots``)."""
+    q, k, v = _qkv(n=1100)
+    store = el.SlotStore(el.Policy(budget=None))
+    _feed(store, q[:, :, :1000], k[:, :, :1000], v[:, :, :1000], chunk=1000)
+    capacities = [store.capacity]
+    for i in range(1000, 1100):
+        _feed(store, q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1])
+        if store.capacity != capacities[-1]:
+            capacities.append(store.capacity)
+    assert capacities == [1000, 1000 + 64, 1064 + 2 * 32]  # 2 * isqrt(1000) = 62 < 64; isqrt(1064) = 32
+    assert _kept(store) == list(range(1100))
+
+
 def test_long_prefill_stays_in_bounded_memory():
     """A 16k-token prompt prefills without an n x n matrix: peak RSS grows far less than one would need."""
     script = textwrap.dedent(

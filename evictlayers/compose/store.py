@@ -36,7 +36,7 @@ def growth_slots(capacity: int) -> int:
     A growth copies every slot (read and write, about two passes over the cache), once per ``g`` steps; until
     they fill, each step's attention also reads the empty slots, ``g / 2`` of them on average. Per step that
     is ``2 C / g + g / 2`` slots, least at ``g = 2 sqrt(C)``: 128 slots at 4k tokens (3% of a pass over the
-    cache), where growing by an eighth (512 slots) cost 6.6%, mostly attention over empty slots."""
+    cache; growing by an eighth, 512 slots, would cost 6.6%, mostly attention over empty slots)."""
     return max(64, 2 * math.isqrt(capacity))
 
 
