@@ -15,12 +15,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks/ sits beside the package, not inside it
 
 from benchmarks import long_stream, soak  # noqa: E402
+from benchmarks.common import tiny_llama  # noqa: E402
 
-LAYERS, KV_HEADS, HEAD_DIM = 2, 2, 16  # benchmarks.common.tiny_llama
+_CONFIG = tiny_llama().config  # the model both benchmarks run with --quick
 
 
 def _kv_bytes(slots: int) -> int:
-    return LAYERS * 2 * KV_HEADS * slots * HEAD_DIM * 4
+    return _CONFIG.num_hidden_layers * 2 * _CONFIG.num_key_value_heads * slots * _CONFIG.head_dim * 4
 
 
 def test_long_stream_quick_writes_results_and_holds_the_budget(tmp_path):
