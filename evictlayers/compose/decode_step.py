@@ -15,10 +15,10 @@ from typing import TYPE_CHECKING, Callable
 import torch
 
 from evictlayers.compose import ranking
-from evictlayers.compose.eviction import choose_evicted, decode_drop
+from evictlayers.compose.eviction import choose_evicted, decode_drop, release_evicted
 from evictlayers.compose.positions import rotate_at, rotate_queries, slot_ranks
-from evictlayers.compose.sketching import absorb_evicted, merge_sketch
-from evictlayers.core.slots import LAST, along_slots, batch_head_index
+from evictlayers.compose.sketching import merge_sketch
+from evictlayers.core.slots import LAST, batch_head_index
 from evictlayers.kernels import apply_attention_sinks, decode_attention
 from evictlayers.modules.cluster_sketch import CoinTable
 from evictlayers.scoring import Observation, SlotView
@@ -129,14 +129,10 @@ def decode_step(
     victims, chosen = choose_evicted(
         ranking.priority(policy, state, view), pos, drop, most, ranking.tie_tolerance(policy)
     )
-    if store.sketch is not None:  # the victims' keys/values are still in their slots
-        absorb_evicted(policy.sketch, store.sketch, keys, values, pos, victims, chosen, coins)
-    if policy.head_state_specs:
-        ranking.forget(policy, state, keys.gather(2, along_slots(victims, keys)), chosen)
-    if ranks is not None and most <= INCREMENTAL_RANKS_MOST:
+    if ranks is not None and most <= INCREMENTAL_RANKS_MOST:  # while the victims still hold their positions
         gone = torch.where(chosen, pos.gather(2, victims), LAST)  # [B, H, most] evicted positions
         ranks.sub_((gone[:, :, None, :] < pos[:, :, :, None]).sum(-1))
-    pos.scatter_(2, victims, torch.where(chosen, -1, pos.gather(2, victims)))
+    release_evicted(policy, pos, state, victims, chosen, keys, store.sketch, (keys, values), coins)
     if ranks is not None and most > INCREMENTAL_RANKS_MOST:
         ranks.copy_(slot_ranks(pos))
     return out

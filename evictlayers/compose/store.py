@@ -17,10 +17,10 @@ import torch
 
 from evictlayers.compose import ranking
 from evictlayers.compose.decode_step import compiled_decode_step, decode_step
-from evictlayers.compose.eviction import choose_evicted, excess
+from evictlayers.compose.eviction import choose_evicted, excess, release_evicted
 from evictlayers.compose.policy import Policy
 from evictlayers.compose.positions import RotaryTable, rotate_at, rotate_queries, slot_ranks
-from evictlayers.compose.sketching import absorb_evicted, merge_sketch
+from evictlayers.compose.sketching import merge_sketch
 from evictlayers.core import Component
 from evictlayers.core.slots import along_slots, pad_slots
 from evictlayers.kernels import apply_attention_sinks, prefill_attention
@@ -450,12 +450,13 @@ class SlotStore:
         width = int(drop.max())
         if width:
             victims, chosen = choose_evicted(ranking.priority(self.policy, state, view), pos, drop, width)
-            if self.sketch is not None:  # everything dropped is absorbed (after the step's own exact attention)
+            if self.sketch is not None:  # what is dropped is absorbed (after the step's own exact attention)
                 self.invalidate_coins()
-                absorb_evicted(self.policy.sketch, self.sketch, *slots.dense(), pos, victims, chosen)
-            if self.policy.head_state_specs:
-                ranking.forget(self.policy, state, view.keys.gather(2, along_slots(victims, view.keys)), chosen)
-            pos = pos.scatter(2, victims, torch.where(chosen, -1, pos.gather(2, victims)))
+            # pos is this step's concatenation, so freeing its slots in place touches no held tensor
+            release_evicted(
+                self.policy, pos, state, victims, chosen, view.keys, self.sketch,
+                slots.dense() if self.sketch is not None else None,
+            )
         # the held slots first, in slot order; the capacity is budget + 1 whatever the step's width
         order = (pos < 0).to(torch.int8).argsort(dim=-1, stable=True)[..., : min(keep, pos.shape[2])]
         spare = keep + 1 - order.shape[-1]
