@@ -41,6 +41,7 @@ TASK_OPTIONS: dict[str, tuple[str, ...]] = {
     "ruler_samples": ("ruler",),
     "ruler_setting": ("ruler",),
     "ruler_template": ("ruler",),
+    "split": ("ruler", "perplexity", "agreement"),
 }
 # command-line option -> the task's argument, where the flag carries the task's name
 OPTION_ARGUMENTS = {"ruler_tasks": "tasks", "ruler_samples": "samples", "ruler_setting": "setting",
@@ -88,13 +89,14 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from evictlayers.eval.protocol import SPLITS
     from evictlayers.eval.ruler_run import SETTINGS
     from evictlayers.eval.suite import TASKS
     from evictlayers.eval.tasks.ruler import TASKS as RULER_TASKS
     from evictlayers.eval.tasks.ruler import TEMPLATES
 
     parser = argparse.ArgumentParser(prog="evictlayers", description="Bounded KV caches for Hugging Face decoders.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{eval,generate,claims,needles}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{eval,generate,claims,needles,transfer}")
 
     ev = commands.add_parser("eval", help="evaluate recipes on a task at several budgets",
                              description="Evaluate recipes on a task; writes JSON, a markdown table and plots.")
@@ -146,6 +148,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--doc-tokens", type=_positive, default=None, help="tokens per document (1025)")
     group.add_argument("--start", type=_fraction, default=None, help="where in each text the documents start (0.1)")
     group.add_argument("--chunk", type=_positive, default=None, help="tokens per streamed step (1)")
+    group.add_argument("--split", choices=list(SPLITS), default=None,
+                       help="the tuning / held-out protocol (evictlayers/eval/protocol.py): read only the split's "
+                            "books (every other --data-dir book); ruler: also the split's seed and haystack families "
+                            "(default: every book; ruler: --seed and every task)")
 
     gen = commands.add_parser("generate", help="generate from one prompt under a recipe",
                               description="Greedy generation from one prompt under a recipe, with cache stats.")
@@ -189,6 +195,16 @@ def build_parser() -> argparse.ArgumentParser:
     nd.add_argument("--data-dir", dest="data", type=Path, default=None, help="directory of .txt books (prose)")
     nd.add_argument("--out", required=True, type=Path, help="directory for needles.json and needles.md")
     _add_runtime(nd)
+
+    tr = commands.add_parser(
+        "transfer", help="the tuning / held-out retrieval report from RULER runs",
+        description="Put RULER runs of the protocol's tuning and held-out splits (evictlayers eval --task ruler "
+                    "--split ...) side by side per model, with streamed perplexity runs for the target; "
+                    "writes markdown.")
+    tr.add_argument("results", nargs="+", type=Path, metavar="RESULT",
+                    help="ruler.json / perplexity.json files or directories holding them")
+    tr.add_argument("--setting", choices=SETTINGS, default="query_aware", help="(%(default)s)")
+    tr.add_argument("--out", type=Path, default=None, help="markdown file to write (default: print only)")
     return parser
 
 
@@ -234,6 +250,14 @@ def _cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         expand_budgets(specs, args.budget)  # fails before the model loads
         if args.task in ("perplexity", "agreement") or (args.task == "ruler" and _ruler_reads_books(options)):
             read_texts(options.get("data"))
+        if options.get("split") is not None:  # a split's errors before the model loads
+            from evictlayers.eval.protocol import split_books, split_tasks
+
+            if options.get("seed") is not None:
+                raise ValueError(f"--seed {options['seed']} with --split {options['split']}: a split draws "
+                                 "from its own seed; drop one")
+            split_tasks(options["split"], options.get("tasks"))
+            split_books(read_texts(options.get("data")), options["split"])
     except (FileNotFoundError, RecipeError, ValueError) as error:
         parser.error(str(error))
     try:
@@ -342,11 +366,26 @@ def _cmd_needles(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     return 0
 
 
+def _cmd_transfer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from evictlayers.eval.transfer_report import load, merge, transfer_section
+
+    try:
+        text = "\n".join(transfer_section(merge(load(args.results)), args.setting))
+    except (FileNotFoundError, ValueError) as error:
+        parser.error(str(error))
+    print(text)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     subparser = parser._subparsers._group_actions[0].choices[args.command]  # errors name the subcommand
-    commands = {"eval": _cmd_eval, "generate": _cmd_generate, "claims": _cmd_claims, "needles": _cmd_needles}
+    commands = {"eval": _cmd_eval, "generate": _cmd_generate, "claims": _cmd_claims, "needles": _cmd_needles,
+                "transfer": _cmd_transfer}
     command = commands[args.command]
     return command(args, subparser)
 

@@ -262,7 +262,7 @@ def test_generate_under_eviction_prints_the_budget_it_keeps(checkpoint, capsys):
 @pytest.mark.parametrize("module", ["evictlayers.cli", "evictlayers"])
 def test_console_script_is_installed(module):
     done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
-    assert done.returncode == 0 and "{eval,generate,claims,needles}" in done.stdout
+    assert done.returncode == 0 and "{eval,generate,claims,needles,transfer}" in done.stdout
 
 
 @pytest.mark.slow

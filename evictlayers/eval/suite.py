@@ -44,6 +44,7 @@ from evictlayers.eval.metrics import cache_rows, histogram_evenness, merge_histo
 from evictlayers.eval.tasks.documents import document_windows, read_texts
 from evictlayers.eval.tasks.lines import lines_prompts, parse_record, score_lines
 from evictlayers.eval.tasks.passkey import HAYSTACKS, passkey_grid, score_passkey
+from evictlayers.eval.protocol import SPLITS, split_books, split_tasks
 from evictlayers.eval.ruler_run import SETTINGS, generate_query_agnostic, generate_query_aware, summarize_ruler
 from evictlayers.eval.tasks.ruler import LEFT_OUT, Books, group_of, postprocess, ruler_samples, sample_score, use_chat
 from evictlayers.eval.tasks.ruler import TASKS as RULER_TASKS
@@ -338,18 +339,22 @@ class PerplexityTask(EvalTask):
         doc_tokens: int = 1025,
         start: float = 0.1,
         chunk: int = 1,
+        split: str | None = None,
         n_bins: int = 20,
     ):
         super().__init__(tokenizer, n_bins)
         if chunk < 1:
             raise ValueError(f"chunk must be >= 1 token, got {chunk}")
         self.texts = read_texts(data)  # fails early, with the directory, when the data is missing
+        if split is not None:  # the protocol's books (evictlayers.eval.protocol)
+            self.texts = split_books(self.texts, split)
+        self.split = split
         self.n_docs, self.doc_tokens, self.start, self.chunk = n_docs, doc_tokens, start, chunk
 
     def settings(self) -> dict:
         return {
             **super().settings(), "sources": [name for name, _ in self.texts], "n_docs": self.n_docs,
-            "doc_tokens": self.doc_tokens, "start": self.start, "chunk": self.chunk,
+            "doc_tokens": self.doc_tokens, "start": self.start, "chunk": self.chunk, "split": self.split,
         }
 
     def build_rows(self) -> list[dict]:
@@ -447,6 +452,10 @@ class RulerTask(EvalTask):
         samples: prompts per task and length.
         setting: ``query_aware``, ``query_agnostic``, or a list of both.
         template: ``auto`` (the tokenizer's chat template where it has one), ``chat`` or ``base``.
+        seed: the prompts' seed (default 0); a split fixes its own.
+        split: ``tuning`` or ``held_out`` (:mod:`evictlayers.eval.protocol`): the split's own books, seed
+            and tasks (default: all its tasks; a task outside its families is an error); ``None``: every
+            book, ``seed``.
         max_new_tokens: tokens generated per prompt (default: RULER's per task: 128 for NIAH, 30 for
             vt, 120 for cwe, 50 for fwe), also reserved out of the length.
         data: the books for essay haystacks and word lists (default: the PG-19 sample).
@@ -464,9 +473,10 @@ class RulerTask(EvalTask):
         samples: int = 10,
         setting: str | Sequence[str] = "query_aware",
         template: str = "auto",
-        seed: int = 0,
+        seed: int | None = None,
         max_new_tokens: int | None = None,
         data=None,
+        split: str | None = None,
         n_bins: int = 20,
     ):
         super().__init__(tokenizer, n_bins)
@@ -476,6 +486,12 @@ class RulerTask(EvalTask):
             left = [t for t in unknown if t in LEFT_OUT]
             why = f" ({', '.join(left)}: left out, their datasets cannot be downloaded)" if left else ""
             raise ValueError(f"unknown RULER task(s) {unknown}{why} (--ruler-tasks); allowed: {', '.join(RULER_TASKS)}")
+        if split is not None:
+            if seed is not None:
+                raise ValueError(f"--seed {seed} with --split {split}: a split draws from its own seed "
+                                 f"({', '.join(f'{s.name} {s.seed}' for s in SPLITS.values())}); drop one")
+            self.tasks = split_tasks(split, None if tasks is None else self.tasks)
+            seed = SPLITS[split].seed
         self.setting = [setting] if isinstance(setting, str) else list(dict.fromkeys(setting))
         bad = [s for s in self.setting if s not in SETTINGS]
         if bad or not self.setting:
@@ -488,9 +504,11 @@ class RulerTask(EvalTask):
         if max_new_tokens is not None and max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.template, self.chat = template, use_chat(tokenizer, template)
-        self.samples, self.seed, self.max_new_tokens = samples, seed, max_new_tokens
+        self.samples, self.seed, self.max_new_tokens, self.split = samples, seed or 0, max_new_tokens, split
         # the books are read here so that a missing data directory fails before any model runs
         texts = read_texts(data) if data is not None or any(RULER_TASKS[t].needs_books for t in self.tasks) else None
+        if texts and split is not None:
+            texts = split_books(texts, split)
         self.books = Books(texts) if texts else None
         self.sources = [name for name, _ in texts] if texts else []
         if getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
@@ -499,7 +517,7 @@ class RulerTask(EvalTask):
     def settings(self) -> dict:
         return {**super().settings(), "tasks": self.tasks, "lengths": self.lengths, "samples": self.samples,
                 "setting": self.setting, "template": self.template, "chat": self.chat, "seed": self.seed,
-                "max_new_tokens": self.max_new_tokens, "sources": self.sources}
+                "max_new_tokens": self.max_new_tokens, "sources": self.sources, "split": self.split}
 
     def check_model(self, model) -> None:
         config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config

@@ -1,0 +1,225 @@
+"""The retrieval report of the tuning / held-out protocol (:mod:`evictlayers.eval.protocol`): RULER scores
+on the tuning split beside the held-out split, per model, recipe and budget; the best recipe per held-out
+task and budget, named from the held-out split only; the target check; and every configuration tried.
+
+Input: the ``ruler.json`` files of ``evictlayers eval --task ruler --split tuning|held_out`` runs
+(several per split are merged: one may hold 1k prompts, another 2k), and optionally ``perplexity.json``
+files (streamed perplexity on the held-out books) for the perplexity half of the target. Each file names
+its model; a model's tuning and held-out runs are matched by that name.
+
+Scores compare like with like: a recipe's family score and the full cache's are means over the same
+(task, length) cells, so a recipe run at fewer lengths is compared on those lengths only.
+
+The target (at 20%): on every model, the recipe's worst held-out family is within one prompt in eight
+(12.5 points of RULER's 0-100 score) of the full cache's score on that family, and its streamed
+perplexity is within 5% of the full cache's.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+from evictlayers.eval.protocol import FAMILIES, SPLITS, family_of
+from evictlayers.eval.report import budget_text
+
+__all__ = ["GAP_TARGET", "PPL_TARGET", "load", "merge", "transfer_section"]
+
+GAP_TARGET = 12.5  # one prompt in eight, in RULER's 0-100 points
+PPL_TARGET = 0.05
+TARGET_BUDGET = 0.2
+
+
+def load(paths: Iterable[str | Path]) -> list[dict]:
+    """The results at ``paths`` (a JSON file, or a directory holding ``ruler.json`` / ``perplexity.json``).
+
+    Raises:
+        FileNotFoundError: a path holds no result.
+    """
+    out = []
+    for path in map(Path, paths):
+        files = [path] if path.is_file() else [p for p in (path / "ruler.json", path / "perplexity.json") if p.is_file()]
+        if not files:
+            raise FileNotFoundError(f"{path}: no ruler.json or perplexity.json (write one with `evictlayers eval`)")
+        out += [json.loads(f.read_text()) for f in files]
+    return out
+
+
+def _key(run: dict) -> str:
+    return "full" if run["full_cache"] else f"{run['policy']}@{budget_text(run)}"
+
+
+def merge(results: Sequence[dict]) -> dict:
+    """``{model: {"tuning" | "held_out": {label: run}, "perplexity": {label: run}}}``; a RULER run's
+    ``scores[setting][length][task]`` cells are merged over the files (a later file wins a cell both hold).
+
+    Raises:
+        ValueError: a RULER result without a split (run with ``--split``).
+    """
+    merged: dict = defaultdict(lambda: {"tuning": {}, "held_out": {}, "perplexity": {}})
+    for result in results:
+        model = result.get("model") or "model"
+        if result["task"] == "perplexity":
+            for run in result["runs"]:
+                merged[model]["perplexity"][_key(run)] = run
+            continue
+        split = result["settings"].get("split")
+        if split not in SPLITS:
+            raise ValueError(f"a RULER result of {model} has no split (split={split!r}); run it with --split "
+                             f"{' or '.join(SPLITS)}")
+        for run in result["runs"]:
+            slot = merged[model][split].setdefault(_key(run), {**run, "scores": {}})
+            for setting, by_length in run["scores"].items():
+                for length, by_task in by_length.items():
+                    slot["scores"].setdefault(setting, {}).setdefault(length, {}).update(by_task)
+    return dict(merged)
+
+
+def _cells(run: dict, setting: str) -> dict[tuple[str, str], float]:
+    return {(length, task): v for length, by_task in run["scores"].get(setting, {}).items() for task, v in by_task.items()}
+
+
+def family_scores(run: dict, full: dict | None, setting: str) -> dict[str, tuple[float, float | None]]:
+    """``{family: (recipe's mean, full cache's mean over the same cells or None)}``."""
+    mine, ref = _cells(run, setting), _cells(full, setting) if full else {}
+    out = {}
+    for family in FAMILIES:
+        cells = [c for c in mine if family_of(c[1]) == family]
+        if cells:
+            shared = [c for c in cells if c in ref]
+            out[family] = (sum(mine[c] for c in cells) / len(cells),
+                           sum(ref[c] for c in shared) / len(shared) if shared and len(shared) == len(cells) else None)
+    return out
+
+
+def mean_score(run: dict | None, setting: str) -> float | None:
+    cells = _cells(run, setting) if run else {}
+    return sum(cells.values()) / len(cells) if cells else None
+
+
+def worst_gap(run: dict, full: dict | None, setting: str) -> tuple[float, str] | None:
+    """The largest ``full - recipe`` over the run's families, and that family (``None``: no reference)."""
+    gaps = [(ref - mine, family) for family, (mine, ref) in family_scores(run, full, setting).items() if ref is not None]
+    return max(gaps) if gaps else None
+
+
+def _ppl_gap(split: dict, policy: str) -> float | None:
+    runs = split.get("perplexity", {})
+    full = runs.get("full")
+    run = next((r for r in runs.values() if r["policy"] == policy and r["budget"] == TARGET_BUDGET), None)
+    return None if full is None or run is None else run["score"] / full["score"] - 1.0
+
+
+def _budgets(runs: dict) -> list:
+    return sorted({r["budget"] for r in runs.values() if not r["full_cache"]}, key=lambda b: (isinstance(b, int), b))
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+def _model_lines(model: str, data: dict, setting: str) -> list[str]:
+    tuning, held = data["tuning"], data["held_out"]
+    full_t, full_h = tuning.get("full"), held.get("full")
+    families = [f for f in FAMILIES if any(family_of(t) == f for r in held.values() for _, t in _cells(r, setting))]
+    lengths = sorted({length for r in held.values() for length, _ in _cells(r, setting)}, key=int)
+    out = [f"### {model}", "",
+           f"Held-out lengths: {', '.join(lengths) or '-'} tokens. Cells: RULER score (0-100), mean over tasks and "
+           "lengths; held-out families in brackets are never seen by the tuning split.", ""]
+    head = ["recipe", "budget", "tuning"] + [f"held-out {f}" + ("" if f in SPLITS["tuning"].families else " [new]")
+                                             for f in families] + ["held-out mean", "worst gap to full", "ppl vs full"]
+    out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    labels = ["full"] + [k for k in dict.fromkeys([*tuning, *held]) if k != "full"]
+    for label in labels:
+        t, h = tuning.get(label), held.get(label)
+        ref = full_h if label != "full" else None
+        fam = family_scores(h, ref, setting) if h else {}
+        gap = worst_gap(h, full_h, setting) if h and label != "full" else None
+        run = h or t
+        ppl = _ppl_gap(data, run["policy"]) if run["budget"] == TARGET_BUDGET and not run["full_cache"] else None
+        cells = [run["policy"], budget_text(run), _fmt(mean_score(t, setting))]
+        cells += [_fmt(fam[f][0]) if f in fam else "-" for f in families]
+        cells += [_fmt(mean_score(h, setting)), "-" if gap is None else f"{gap[0]:+.1f} ({gap[1]})",
+                  "-" if ppl is None else f"{ppl:+.1%}"]
+        out.append("| " + " | ".join(cells) + " |")
+    out += ["", "Best recipe per held-out task and budget (held-out scores only; ties named):", ""]
+    tasks = [t for f in families for t in FAMILIES[f]]
+    for budget in _budgets(held):
+        for task in tasks:
+            scored = []
+            for run in held.values():
+                if run["full_cache"] or run["budget"] != budget:
+                    continue
+                values = [v for (_, t), v in _cells(run, setting).items() if t == task]
+                if values:
+                    scored.append((sum(values) / len(values), run["policy"]))
+            if not scored:
+                continue
+            top = max(s for s, _ in scored)
+            full_values = [v for (_, t), v in _cells(full_h, setting).items() if t == task] if full_h else []
+            ref = f"; full cache {sum(full_values) / len(full_values):.1f}" if full_values else ""
+            names = ", ".join(f"`{p}`" for s, p in scored if s == top)
+            out.append(f"- {task} at {budget_text({'full_cache': False, 'budget': budget})}: {names} ({top:.1f}{ref})")
+    return out + [""]
+
+
+def target_lines(merged: dict, setting: str) -> list[str]:
+    """Per recipe run at 20% on every model's held-out split: its worst family gap and perplexity gap per
+    model, and whether it meets the target on all of them."""
+    models = list(merged)
+    policies = list(dict.fromkeys(r["policy"] for data in merged.values() for r in data["held_out"].values()
+                                  if not r["full_cache"] and r["budget"] == TARGET_BUDGET))
+    out = []
+    for policy in policies:
+        parts, ok = [], True
+        for model in models:
+            held = merged[model]["held_out"]
+            run = held.get(f"{policy}@{budget_text({'full_cache': False, 'budget': TARGET_BUDGET})}")
+            gap = worst_gap(run, held.get("full"), setting) if run else None
+            ppl = _ppl_gap(merged[model], policy)
+            ok &= gap is not None and gap[0] <= GAP_TARGET and ppl is not None and ppl <= PPL_TARGET
+            parts.append(f"{model}: worst family {'not run' if gap is None else f'{gap[0]:+.1f} ({gap[1]})'}, "
+                         f"perplexity {'not measured' if ppl is None else f'{ppl:+.1%}'}")
+        out.append(f"- `{policy}`: {'; '.join(parts)}: {'meets' if ok else 'misses'} the target")
+    return out
+
+
+def appendix_lines(merged: dict, setting: str) -> list[str]:
+    """Every configuration that ran on a tuning split, best tuning score first, with its held-out score."""
+    out = ["### Every configuration tried", "",
+           "Sorted by tuning score within each model and budget; the held-out columns were not used to choose.", ""]
+    for model, data in merged.items():
+        rows = []
+        for label, run in data["tuning"].items():
+            if run["full_cache"]:
+                continue
+            held = data["held_out"].get(label)
+            gap = worst_gap(held, data["held_out"].get("full"), setting) if held else None
+            rows.append((run["budget"], -(mean_score(run, setting) or 0.0), run["policy"], run, held, gap))
+        if not rows:
+            continue
+        out += [f"{model}:", "", "| recipe | budget | tuning | held-out mean | worst held-out gap |", "|---|---|---|---|---|"]
+        for _, _, policy, run, held, gap in sorted(rows, key=lambda r: (r[0], r[1], r[2])):
+            out.append(f"| {policy} | {budget_text(run)} | {_fmt(mean_score(run, setting))} | "
+                       f"{_fmt(mean_score(held, setting))} | {'-' if gap is None else f'{gap[0]:+.1f} ({gap[1]})'} |")
+        out.append("")
+    return out
+
+
+def transfer_section(merged: dict, setting: str = "query_aware") -> list[str]:
+    """The markdown lines of the report for ``setting``."""
+    tuning, held = SPLITS["tuning"], SPLITS["held_out"]
+    out = ["## Retrieval on prompts it was not tuned on", "",
+           f"Tuning split: families {', '.join(tuning.families)}, every other PG-19 sample book from the first, "
+           f"seed {tuning.seed}. Held-out split: families {', '.join(held.families)}, the other books, seed "
+           f"{held.seed}; `[new]` marks families the tuning split never holds. Setting: {setting}. "
+           f"Worst gap: the largest (full cache - recipe) over the held-out families. Perplexity: streamed, "
+           f"at 20%, on the held-out books, against the full cache.", ""]
+    for model, data in merged.items():
+        out += _model_lines(model, data, setting)
+    target = target_lines(merged, setting)
+    out += [f"Target: at 20%, on every model, the worst held-out family within {GAP_TARGET:g} points (one prompt in "
+            f"eight) of the full cache and streamed perplexity within {PPL_TARGET:.0%}:", "", *(target or ["- no recipe ran at 20%"]), ""]
+    return out + appendix_lines(merged, setting)

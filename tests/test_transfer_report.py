@@ -1,0 +1,121 @@
+"""The tuning / held-out report on hand-made results: family means and gaps worked out by hand, the best
+recipe named from the held-out split only, the target verdict over two models, merging of files, and
+the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from evictlayers.cli import main
+from evictlayers.eval.transfer_report import family_scores, merge, transfer_section, worst_gap
+
+
+def _run(policy, budget, cells, setting="query_aware", full=False):
+    scores = {}
+    for (length, task), value in cells.items():
+        scores.setdefault(setting, {}).setdefault(str(length), {})[task] = value
+    return {"policy": policy, "budget": None if full else budget, "full_cache": full, "scores": scores,
+            "kept_fraction": 1.0 if full else budget}
+
+
+def _ruler(model, split, runs):
+    return {"task": "ruler", "model": model, "settings": {"split": split}, "runs": runs}
+
+
+def _ppl(model, values):
+    return {"task": "perplexity", "model": model, "settings": {},
+            "runs": [{"policy": p, "budget": None if p == "full" else 0.2, "full_cache": p == "full", "score": v}
+                     for p, v in values.items()]}
+
+
+# tuning: A beats B; held-out: B beats A (A loses the noise family)
+TUNING = {
+    "full": {(1024, "niah_single_2"): 100.0, (1024, "niah_multikey_2"): 50.0},
+    "A": {(1024, "niah_single_2"): 100.0, (1024, "niah_multikey_2"): 50.0},
+    "B": {(1024, "niah_single_2"): 50.0, (1024, "niah_multikey_2"): 50.0},
+}
+HELD = {
+    "full": {(1024, "niah_single_2"): 100.0, (1024, "niah_multivalue"): 80.0, (1024, "niah_single_1"): 100.0,
+             (1024, "vt"): 40.0, (1024, "fwe"): 60.0},
+    "A": {(1024, "niah_single_2"): 100.0, (1024, "niah_multivalue"): 60.0, (1024, "niah_single_1"): 50.0,
+          (1024, "vt"): 0.0, (1024, "fwe"): 60.0},
+    "B": {(1024, "niah_single_2"): 100.0, (1024, "niah_multivalue"): 70.0, (1024, "niah_single_1"): 100.0,
+          (1024, "vt"): 30.0, (1024, "fwe"): 50.0},
+}
+
+
+def _model(name, held=HELD, ppl=None):
+    runs = lambda table: [_run(p, 0.2, cells, full=p == "full") for p, cells in table.items()]  # noqa: E731
+    out = [_ruler(name, "tuning", runs(TUNING)), _ruler(name, "held_out", runs(held))]
+    return out + ([_ppl(name, ppl)] if ppl else [])
+
+
+def test_family_means_and_worst_gap_by_hand():
+    merged = merge(_model("m"))
+    a, full = merged["m"]["held_out"]["A@20%"], merged["m"]["held_out"]["full"]
+    fams = family_scores(a, full, "query_aware")
+    # essay: A (100 + 60) / 2 = 80 against (100 + 80) / 2 = 90; noise: (50 + 0) / 2 = 25 against 70; words 60 vs 60
+    assert fams == {"essay": (80.0, 90.0), "noise": (25.0, 70.0), "words": (60.0, 60.0)}
+    assert worst_gap(a, full, "query_aware") == (45.0, "noise")
+    b = merged["m"]["held_out"]["B@20%"]
+    assert worst_gap(b, full, "query_aware") == (10.0, "words")  # essay 85 vs 90: 5; noise 65 vs 70: 5; words 50 vs 60
+
+
+def test_best_recipe_per_task_comes_from_the_held_out_split_only():
+    lines = transfer_section(merge(_model("m")))
+    assert "- niah_single_1 at 20%: `B` (100.0; full cache 100.0)" in lines
+    assert "- vt at 20%: `B` (30.0; full cache 40.0)" in lines
+    assert "- niah_single_2 at 20%: `A`, `B` (100.0; full cache 100.0)" in lines
+    assert "- fwe at 20%: `A` (60.0; full cache 60.0)" in lines
+
+
+def test_target_needs_every_model_and_the_perplexity():
+    both = merge(_model("m1", ppl={"full": 10.0, "A": 10.2, "B": 10.4}) + _model("m2", ppl={"full": 8.0, "B": 8.3}))
+    lines = transfer_section(both)
+    b_line = next(line for line in lines if line.startswith("- `B`:"))
+    # B: gap 10 <= 12.5 on both; perplexity +4.0% and +3.75%: meets
+    assert "m1: worst family +10.0 (words), perplexity +4.0%" in b_line and b_line.endswith("meets the target")
+    a_line = next(line for line in lines if line.startswith("- `A`:"))
+    assert "worst family +45.0 (noise)" in a_line and "m2: worst family +45.0 (noise), perplexity not measured" in a_line
+    assert a_line.endswith("misses the target")
+
+
+def test_appendix_orders_by_tuning_and_shows_held_out():
+    lines = transfer_section(merge(_model("m")))
+    start = lines.index("### Every configuration tried")
+    rows = [line for line in lines[start:] if line.startswith("| A ") or line.startswith("| B ")]
+    assert rows == ["| A | 20% | 75.0 | 54.0 | +45.0 (noise) |", "| B | 20% | 50.0 | 70.0 | +10.0 (words) |"]
+
+
+def test_files_merge_by_length_and_a_result_without_split_is_refused():
+    short = _ruler("m", "held_out", [_run("A", 0.2, {(1024, "vt"): 10.0}), _run("full", None, {(1024, "vt"): 40.0}, full=True)])
+    long = _ruler("m", "held_out", [_run("A", 0.2, {(2048, "vt"): 30.0}), _run("full", None, {(2048, "vt"): 20.0}, full=True)])
+    merged = merge([short, long])
+    run = merged["m"]["held_out"]["A@20%"]
+    assert family_scores(run, merged["m"]["held_out"]["full"], "query_aware") == {"noise": (20.0, 30.0)}
+    with pytest.raises(ValueError, match="--split"):
+        merge([{**short, "settings": {}}])
+
+
+def test_a_gap_is_only_taken_on_cells_the_full_cache_ran():
+    held = merge([_ruler("m", "held_out", [_run("A", 0.2, {(1024, "vt"): 10.0, (2048, "vt"): 30.0}),
+                                           _run("full", None, {(1024, "vt"): 40.0}, full=True)])])["m"]["held_out"]
+    assert family_scores(held["A@20%"], held["full"], "query_aware") == {"noise": (20.0, None)}
+    assert worst_gap(held["A@20%"], held["full"], "query_aware") is None
+
+
+def test_command_writes_the_report(tmp_path, capsys):
+    paths = []
+    for i, result in enumerate(_model("m", ppl={"full": 10.0, "B": 10.1})):
+        path = tmp_path / f"r{i}.json"
+        path.write_text(json.dumps(result))
+        paths.append(str(path))
+    out = tmp_path / "transfer.md"
+    assert main(["transfer", *paths, "--out", str(out)]) == 0
+    text = out.read_text()
+    assert "## Retrieval on prompts it was not tuned on" in text and "- `B`: m: worst family +10.0 (words)" in text
+    with pytest.raises(SystemExit):
+        main(["transfer", str(tmp_path / "missing"), "--out", str(out)])
+    assert "no ruler.json or perplexity.json" in capsys.readouterr().err
