@@ -62,6 +62,8 @@ POLICIES = {
         el.HeavyHitterSelector(el.KeyDiff(), scope="layer", share=0.5),
         budget=0.5,
     ),
+    # ChunkKV's chunk sums (a sort, cumulative sums and run ends in the graph)
+    "chunks": lambda: el.Policy(el.RecentWindow(2), el.HeavyHitterSelector(el.Windowed(4), chunk=3), budget=0.5),
 }
 
 

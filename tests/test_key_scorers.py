@@ -104,6 +104,34 @@ def test_pooling_keeps_a_multi_token_needle_whole():
     assert {15, 16, 17} <= pooled_set
 
 
+def _chunk_sums(scores: dict[int, float], chunk: int) -> dict[int, float]:
+    """ChunkKV's chunk score by a loop: each held token gets the sum over the held tokens of its chunk."""
+    return {j: sum(v for i, v in scores.items() if i // chunk == j // chunk) for j in scores}
+
+
+@pytest.mark.parametrize("chunk,budget", [(4, 10), (3, 7), (10, 12)], ids=str)
+def test_chunked_selection_matches_reference(chunk, budget):
+    torch.manual_seed(chunk * 11 + budget)
+    keys = torch.randn(1, 44, 8) * 2
+    policy = el.Policy(el.HeavyHitterSelector(el.KeyNorm(), chunk=chunk), budget=budget)
+    _, history = _drive(policy, keys, prompt=30)
+    keep = _lowest_out(lambda held: _chunk_sums(keynorm_scores(keys[0], held), chunk))
+    assert [h[0] for h in history] == run_reference(keys[0], 30, budget, keep)
+
+
+def test_chunks_after_a_prefill_are_whole():
+    """Budget 12 with chunks of 4 on a 40-token prompt: exactly three whole chunks stay."""
+    torch.manual_seed(8)
+    keys = torch.randn(1, 40, 8) * 2
+    kept = _drive(el.Policy(el.HeavyHitterSelector(el.KeyNorm(), chunk=4), budget=12), keys, prompt=40)[1][-1][0]
+    assert len(kept) == 12 and all({4 * (j // 4) + i for i in range(4)} <= kept for j in kept)
+
+
+def test_chunk_length_is_checked():
+    with pytest.raises(ValueError, match=r"chunk=0.*int >= 1"):
+        el.HeavyHitterSelector(el.KeyNorm(), chunk=0)
+
+
 def test_layer_scope_keeps_the_same_tokens_in_every_head():
     torch.manual_seed(6)
     keys = torch.randn(3, 40, 8) + 1.0

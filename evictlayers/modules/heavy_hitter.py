@@ -42,6 +42,13 @@ class HeavyHitterSelector(Selector):
       al. 2024, arXiv:2404.14469, Sec. 4.2 "clustering via pooling", kernel 5-7), so a multi-token
       needle is kept whole rather than in fragments. Neighbours are the *held* tokens (at prefill, the
       whole prompt, as in SnapKV; later the survivors), and the state itself stays unpooled.
+    - ``chunk=c`` (>= 2): before ranking, each slot's score becomes the sum of the scores of the held
+      tokens in its chunk, the ``c`` consecutive positions ``[k c, (k + 1) c)`` it falls in (ChunkKV, Liu
+      et al. 2025, arXiv:2502.00299, Sec. 3.1: chunk score = summed observation-window attention of its
+      tokens, top chunks kept), so whole spans of text stay or go together. Deviation: the paper selects
+      once, at prefill; here the chunk sums keep ranking while generating, and a chunk that has lost
+      tokens sums fewer of them, so the cache goes on dropping it before it breaks up another. Applied
+      after ``pool``.
     - ``scope="layer"``: every KV head of the layer keeps the same tokens, ranked by the score averaged
       over the heads (TOVA, Oren et al. 2024, arXiv:2401.06104, Sec. 3.2; ChunkKV's layer-wise index
       reuse). The heads' slot layouts then stay identical, so slot ``j`` is the same token in every head.
@@ -49,7 +56,7 @@ class HeavyHitterSelector(Selector):
       selectors (see ``Policy``); ``None`` (the default) for a policy's only selector.
     """
 
-    param_names = ("accumulator", "transform", "prior", "pool", "pool_reduce", "scope", "share")
+    param_names = ("accumulator", "transform", "prior", "pool", "pool_reduce", "chunk", "scope", "share")
     POOL_REDUCTIONS = ("mean", "max")
     SCOPES = ("head", "layer")
 
@@ -60,6 +67,7 @@ class HeavyHitterSelector(Selector):
         prior: ScorePrior | None = None,
         pool: int = 1,
         pool_reduce: str = "mean",
+        chunk: int = 1,
         scope: str = "head",
         share: float | None = None,
     ):
@@ -86,10 +94,13 @@ class HeavyHitterSelector(Selector):
             if clash:
                 raise ValueError(f"HeavyHitterSelector: accumulator and prior both name state {sorted(clash)}")
         self._check_options(pool, pool_reduce, scope, share)
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"HeavyHitterSelector(chunk={chunk!r}): the chunk length must be an int >= 1 "
+                             "(1: no chunks; ChunkKV uses 10)")
         self.accumulator = accumulator
         self.transform = transform
         self.prior = prior
-        self.pool, self.pool_reduce, self.scope, self.share = pool, pool_reduce, scope, share
+        self.pool, self.pool_reduce, self.chunk, self.scope, self.share = pool, pool_reduce, chunk, scope, share
 
     @classmethod
     def _check_options(cls, pool: Any, pool_reduce: Any, scope: Any, share: Any) -> None:
@@ -111,7 +122,8 @@ class HeavyHitterSelector(Selector):
                 "selector fills beside other selectors, a float in (0, 1); leave it None for a policy's only selector"
             )
 
-    DEFAULTS = {"transform": None, "prior": None, "pool": 1, "pool_reduce": "mean", "scope": "head", "share": None}
+    DEFAULTS = {"transform": None, "prior": None, "pool": 1, "pool_reduce": "mean", "chunk": 1, "scope": "head",
+                "share": None}
 
     def params(self) -> dict[str, Any]:
         # options appear only when they differ from the default, so an H2O selector dumps as it always did
@@ -167,6 +179,8 @@ class HeavyHitterSelector(Selector):
             score = score * self.prior.weight(state, view)
         if self.pool > 1:
             score = pool_by_position(score, view.pos, self.pool, self.pool_reduce)
+        if self.chunk > 1:
+            score = sum_by_chunk(score, view.pos, self.chunk)
         if self.scope == "layer":
             held = view.valid
             mean = (score * held).sum(1, keepdim=True) / held.sum(1, keepdim=True).clamp(min=1)
@@ -194,3 +208,28 @@ def pool_by_position(score: torch.Tensor, pos: torch.Tensor, width: int, reduce:
         pooled = total / count.clamp(min=1e-12)
     pooled = pooled.reshape(batch, heads, n_slots)
     return torch.empty_like(pooled).scatter_(-1, order, pooled).masked_fill(~held, 0.0)
+
+
+def sum_by_chunk(score: torch.Tensor, pos: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``score`` ``[B, H, N]`` replaced, for each held slot, by the sum over the held slots whose position
+    falls in the same chunk (``pos // chunk``; ``pos`` ``[B, H, N]``, ``-1`` = empty, which gets 0).
+
+    Fixed-shape, for the compiled decode step: the slots sorted by position, where each chunk is a run,
+    and each run's sum read off a cumulative sum at the run's two ends."""
+    batch, heads, n_slots = score.shape
+    held = pos >= 0
+    order = pos.masked_fill(~held, LAST).argsort(-1)  # held slots first, by position
+    ranked = score.gather(-1, order).masked_fill(~held.gather(-1, order), 0.0)
+    # empty slots (sorted last) get chunk ids past every real one, one run of their own
+    ids = torch.where(held, pos // chunk, LAST).gather(-1, order)
+    index = torch.arange(n_slots, device=score.device).expand_as(ids)
+    starts = torch.ones_like(held)
+    starts[..., 1:] = ids[..., 1:] != ids[..., :-1]
+    ends = torch.ones_like(held)
+    ends[..., :-1] = starts[..., 1:]
+    first = torch.where(starts, index, 0).cummax(-1).values  # index of each slot's run start
+    last = torch.where(ends, index, n_slots - 1).flip(-1).cummin(-1).values.flip(-1)  # and run end
+    total = ranked.cumsum(-1)
+    before = torch.where(first > 0, total.gather(-1, (first - 1).clamp(min=0)), 0.0)
+    summed = total.gather(-1, last) - before
+    return torch.empty_like(summed).scatter_(-1, order, summed).masked_fill(~held, 0.0)
