@@ -119,3 +119,18 @@ def test_command_writes_the_report(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["transfer", str(tmp_path / "missing"), "--out", str(out)])
     assert "no ruler.json or perplexity.json" in capsys.readouterr().err
+
+
+def test_command_draws_one_row_of_panels_per_model(tmp_path):
+    pytest.importorskip("matplotlib")
+    paths = []
+    for i, result in enumerate(_model("m1") + _model("m2")):
+        path = tmp_path / f"r{i}.json"
+        path.write_text(json.dumps(result))
+        paths.append(str(path))
+    plot = tmp_path / "held_out.png"
+    assert main(["transfer", *paths, "--plot", str(plot)]) == 0
+    from matplotlib import image
+
+    height, width = image.imread(plot).shape[:2]
+    assert plot.stat().st_size > 0 and height > 400  # two rows of ~330-pixel panels

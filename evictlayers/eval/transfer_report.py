@@ -25,7 +25,7 @@ from pathlib import Path
 from evictlayers.eval.protocol import FAMILIES, SPLITS, family_of
 from evictlayers.eval.report import budget_text
 
-__all__ = ["GAP_TARGET", "PPL_TARGET", "load", "merge", "transfer_section"]
+__all__ = ["GAP_TARGET", "PPL_TARGET", "held_out_results", "load", "merge", "transfer_section"]
 
 GAP_TARGET = 12.5  # one prompt in eight, in RULER's 0-100 points
 PPL_TARGET = 0.05
@@ -131,7 +131,7 @@ def _model_lines(model: str, data: dict, setting: str) -> list[str]:
     head = ["recipe", "budget", "tuning"] + [f"held-out {f}" + ("" if f in SPLITS["tuning"].families else " [new]")
                                              for f in families] + ["held-out mean", "worst gap to full", "ppl vs full"]
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    labels = ["full"] + [k for k in dict.fromkeys([*tuning, *held]) if k != "full"]
+    labels = ["full"] + [k for k in held if k != "full"]  # tuning-only runs: in the appendix
     for label in labels:
         t, h = tuning.get(label), held.get(label)
         ref = full_h if label != "full" else None
@@ -223,3 +223,14 @@ def transfer_section(merged: dict, setting: str = "query_aware") -> list[str]:
     out += [f"Target: at 20%, on every model, the worst held-out family within {GAP_TARGET:g} points (one prompt in "
             f"eight) of the full cache and streamed perplexity within {PPL_TARGET:.0%}:", "", *(target or ["- no recipe ran at 20%"]), ""]
     return out + appendix_lines(merged, setting)
+
+
+def held_out_results(merged: dict, setting: str = "query_aware") -> list[dict]:
+    """Each model's merged held-out runs as one result (``model``, ``settings``, ``runs``), the form
+    :func:`evictlayers.eval.ruler_report.plot_ruler` draws one row of panels per model from."""
+    out = []
+    for model, data in merged.items():
+        runs = list(data["held_out"].values())
+        tasks = sorted({t for r in runs for _, t in _cells(r, setting)})
+        out.append({"model": model, "settings": {"tasks": tasks, "setting": [setting]}, "runs": runs})
+    return out

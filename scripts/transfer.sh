@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The retrieval report of the tuning / held-out protocol (evictlayers/eval/protocol.py): docs/retrieval.md.
+#   bash scripts/transfer.sh                         # the whole grid (both models, 1k/2k/4k, 10/20/50%): many hours on 2 cores
+#   SAMPLES=2 LENGTHS="1024" bash scripts/transfer.sh   # a smaller grid; docs/retrieval.md says which one it shows
+#   STEPS=render bash scripts/transfer.sh             # rebuild docs/retrieval.md from the saved runs
+# Steps (STEPS, default "search report perplexity render"):
+#   search      every candidate (evictlayers/eval/candidates/) and the shipped retrieval recipes on the TUNING
+#               split, embedded SmolLM2, at 20%: the only numbers a recipe may be chosen by
+#   report      the REPORT recipes on both splits of both models at BUDGETS x LENGTHS
+#   perplexity  streamed perplexity at 20% on the held-out books (the target's other half)
+#   render      evictlayers transfer <every saved run> --out docs/retrieval.md
+# The PG-19 books are read from $EVICTLAYERS_DATA, else ../shared/data/pg19-sample next to the repo.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+SAMPLES=${SAMPLES:-4}
+LENGTHS=${LENGTHS:-"1024 2048 4096"}
+BUDGETS=${BUDGETS:-"0.1 0.2 0.5"}
+MODELS=${MODELS:-"default gemma-3-270m"}
+SEARCH_LENGTHS=${SEARCH_LENGTHS:-1024}
+REPORT=${REPORT:-"full h2o snapkv tova_keydiff evictlayers/eval/candidates/snapkv_layer.yaml evictlayers/eval/candidates/chunkkv.yaml"}
+STEPS=${STEPS:-"search report perplexity render"}
+OUT=${OUT:-docs/retrieval}
+# NIAH answers are at most ~50 tokens on these tokenizers (four 7-digit values); RULER allows 128, which a
+# base model without an end-of-turn token spends in full on every prompt
+GENERATE=${GENERATE:-64}
+THREADS=${THREADS:-1}
+common=(--task ruler --ruler-samples "$SAMPLES" --max-new-tokens "$GENERATE" --threads "$THREADS" --no-progress)
+
+start=$(date +%s)
+for step in $STEPS; do
+    case $step in
+    search)
+        python -m evictlayers.cli eval full h2o h2o_averaged snapkv tova keydiff tova_keydiff streaming_llm \
+            ahakv_windowed evictlayers/eval/candidates/*.yaml --budget 0.2 --split tuning \
+            --lengths $SEARCH_LENGTHS "${common[@]}" --out "$OUT/search-default" ;;
+    report)
+        for model in $MODELS; do
+            for split in tuning held_out; do
+                for length in $LENGTHS; do
+                    python -m evictlayers.cli eval $REPORT --model "$model" --budget $BUDGETS --split "$split" \
+                        --lengths "$length" "${common[@]}" --out "$OUT/$model-$split-$length"
+                done
+            done
+        done ;;
+    perplexity)
+        for model in $MODELS; do
+            # the full cache and every REPORT recipe at 20%, streamed token by token over held-out books
+            python -m evictlayers.cli eval $REPORT --model "$model" --task perplexity --budget 0.2 --split held_out \
+                --n-docs 2 --threads "$THREADS" --no-progress --out "$OUT/$model-perplexity"
+        done ;;
+    render)
+        python -m evictlayers.cli transfer "$OUT"/*/ --out docs/retrieval.md --plot "$OUT/held_out.png" ;;
+    *)
+        echo "unknown step $step (search, report, perplexity, render)" >&2; exit 2 ;;
+    esac
+done
+echo "transfer.sh: $(( ($(date +%s) - start) / 60 )) min"
