@@ -134,3 +134,8 @@ def test_command_draws_one_row_of_panels_per_model(tmp_path):
 
     height, width = image.imread(plot).shape[:2]
     assert plot.stat().st_size > 0 and height > 400  # two rows of ~330-pixel panels
+
+
+def test_the_recipe_chosen_is_the_best_on_the_tuning_split():
+    lines = transfer_section(merge(_model("m")))
+    assert "Chosen on the tuning split (its best evicting recipe per budget; ties named): 20%: `A` (75.0)." in lines

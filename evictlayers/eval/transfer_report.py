@@ -112,6 +112,24 @@ def _ppl_gap(split: dict, policy: str) -> float | None:
     return None if full is None or run is None else run["score"] / full["score"] - 1.0
 
 
+def _display(model: str) -> str:
+    """``default`` as the embedded model's name."""
+    return "default (SmolLM2-135M-Instruct)" if model == "default" else model
+
+
+def _chosen(tuning: dict, setting: str) -> list[str]:
+    """Per budget, the evicting recipe(s) with the best tuning score, with it."""
+    out = []
+    for budget in _budgets(tuning):
+        scored = [(mean_score(r, setting), r["policy"]) for r in tuning.values()
+                  if not r["full_cache"] and r["budget"] == budget and mean_score(r, setting) is not None]
+        if scored:
+            top = max(v for v, _ in scored)
+            names = ", ".join(f"`{p}`" for v, p in scored if v == top)
+            out.append(f"{budget_text({'full_cache': False, 'budget': budget})}: {names} ({top:.1f})")
+    return out
+
+
 def _budgets(runs: dict) -> list:
     return sorted({r["budget"] for r in runs.values() if not r["full_cache"]}, key=lambda b: (isinstance(b, int), b))
 
@@ -125,9 +143,10 @@ def _model_lines(model: str, data: dict, setting: str) -> list[str]:
     full_t, full_h = tuning.get("full"), held.get("full")
     families = [f for f in FAMILIES if any(family_of(t) == f for r in held.values() for _, t in _cells(r, setting))]
     lengths = sorted({length for r in held.values() for length, _ in _cells(r, setting)}, key=int)
-    out = [f"### {model}", "",
-           f"Held-out lengths: {', '.join(lengths) or '-'} tokens. Cells: RULER score (0-100), mean over tasks and "
-           "lengths; held-out families in brackets are never seen by the tuning split.", ""]
+    tuning_lengths = sorted({length for r in tuning.values() for length, _ in _cells(r, setting)}, key=int)
+    out = [f"### {_display(model)}", "",
+           f"Lengths: tuning {', '.join(tuning_lengths) or '-'}, held-out {', '.join(lengths) or '-'} tokens. Cells: "
+           "RULER score (0-100), mean over tasks and lengths; `[new]`: a family the tuning split never holds.", ""]
     head = ["recipe", "budget", "tuning"] + [f"held-out {f}" + ("" if f in SPLITS["tuning"].families else " [new]")
                                              for f in families] + ["held-out mean", "worst gap to full", "ppl vs full"]
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -144,7 +163,9 @@ def _model_lines(model: str, data: dict, setting: str) -> list[str]:
         cells += [_fmt(mean_score(h, setting)), "-" if gap is None else f"{gap[0]:+.1f} ({gap[1]})",
                   "-" if ppl is None else f"{ppl:+.1%}"]
         out.append("| " + " | ".join(cells) + " |")
-    out += ["", "Best recipe per held-out task and budget (held-out scores only; ties named):", ""]
+    out += ["", "Chosen on the tuning split (its best evicting recipe per budget; ties named): "
+            + ("; ".join(_chosen(tuning, setting)) or "no evicting recipe ran on it") + ".", ""]
+    out += ["Best recipe per held-out task and budget (held-out scores only; ties named):", ""]
     tasks = [t for f in families for t in FAMILIES[f]]
     for budget in _budgets(held):
         for task in tasks:
@@ -180,7 +201,7 @@ def target_lines(merged: dict, setting: str) -> list[str]:
             gap = worst_gap(run, held.get("full"), setting) if run else None
             ppl = _ppl_gap(merged[model], policy)
             ok &= gap is not None and gap[0] <= GAP_TARGET and ppl is not None and ppl <= PPL_TARGET
-            parts.append(f"{model}: worst family {'not run' if gap is None else f'{gap[0]:+.1f} ({gap[1]})'}, "
+            parts.append(f"{_display(model)}: worst family {'not run' if gap is None else f'{gap[0]:+.1f} ({gap[1]})'}, "
                          f"perplexity {'not measured' if ppl is None else f'{ppl:+.1%}'}")
         out.append(f"- `{policy}`: {'; '.join(parts)}: {'meets' if ok else 'misses'} the target")
     return out
@@ -200,7 +221,7 @@ def appendix_lines(merged: dict, setting: str) -> list[str]:
             rows.append((run["budget"], -(mean_score(run, setting) or 0.0), run["policy"], run, held, gap))
         if not rows:
             continue
-        out += [f"{model}:", "", "| recipe | budget | tuning | held-out mean | worst held-out gap |", "|---|---|---|---|---|"]
+        out += [f"{_display(model)}:", "", "| recipe | budget | tuning | held-out mean | worst held-out gap |", "|---|---|---|---|---|"]
         for _, _, policy, run, held, gap in sorted(rows, key=lambda r: (r[0], r[1], r[2])):
             out.append(f"| {policy} | {budget_text(run)} | {_fmt(mean_score(run, setting))} | "
                        f"{_fmt(mean_score(held, setting))} | {'-' if gap is None else f'{gap[0]:+.1f} ({gap[1]})'} |")
