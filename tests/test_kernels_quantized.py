@@ -125,6 +125,25 @@ def test_cpu_compiles_into_one_graph_for_every_slot_count():
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
 
 
+@pytest.mark.parametrize("slots,per_byte", [(37, 24), (65, 13), (300, 40)])
+def test_codes_as_float_is_each_byte_value_eager_and_compiled(slots, per_byte):
+    """The op the blocks convert bytes with, on a strided block of slots holding every byte value, eager and
+    under ``torch.compile(fullgraph=True)``, where a second slot count reuses one shape-generic graph."""
+    g = torch.Generator().manual_seed(slots)
+    codes = torch.randint(0, 256, (3, 2, 2 * slots, per_byte), generator=g, dtype=torch.uint8)
+    codes.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
+    block = codes[:, :, 1::2]
+    got = quantized_cpu.codes_as_float(block)
+    assert got.dtype == torch.float32 and torch.equal(got, torch.tensor(block.tolist(), dtype=torch.float32))
+    compiled = torch.compile(lambda c: quantized_cpu.codes_as_float(c[:, :, 1:]) * 2, fullgraph=True, dynamic=None)
+    torch._dynamo.reset()
+    counters.clear()
+    for n in (slots, slots + 3, slots + 8):
+        part = codes[:, :, :n]
+        assert torch.equal(compiled(part), torch.tensor(part[:, :, 1:].tolist(), dtype=torch.float32) * 2)
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
 def test_rejects_codes_that_do_not_fit():
     query, packed, rk, rv, query_pos, key_pos, residual_pos = quantized_inputs(1, 20, 3, head_dim=32, group=8)
     cases = [

@@ -11,10 +11,23 @@ drift from the reference.
 
 How a block is unpacked, and why:
 
+- The bytes become float32 in ATen, not in inductor's generated code: ``codes_as_float`` is a one-line
+  custom op (``codes.float()``) that the compiled step calls as an opaque kernel, and everything after
+  it is float arithmetic. Inductor loads integer vectors through a copy into a stack buffer (its
+  ``loadu`` with an element count has no fast path for integer types), which made its uint8 -> float
+  conversion ~1.2 ns per element against ~0.1 ns for ATen's. With the op (2-core AVX2 development
+  machine, one thread, ``python -m benchmarks --only decode``), compiled ``h2o_int4`` decodes at 0.89x
+  the tokens/s of compiled dense ``h2o`` at 8k-token prompts, batch 8 (0.61x before), 1.02x at 4k
+  batch 8 (0.63x) and 0.88x at 4k batch 1 (0.82x): BLAS on each block plus the op's ~20 us per call
+  now cost about what reading the dense float32 cache does.
+- The nibbles are split in float: with ``x`` a byte's value, its high nibble is ``floor(x / 16)`` and its
+  low one ``x - 16 * floor(x / 16)``, written as one broadcast expression over the two halves so
+  inductor fuses split, scale and zero point into one pass over the block (a ``cat`` of the halves was
+  materialised first and cost another pass).
 - int4 bytes are not interleaved back into channel order: a block is dequantised as ``[n, 2, D / 2]``
-  (low nibbles, the even channels, then high nibbles, the odd ones) in one elementwise pass, and the
-  query's channels are permuted to match (the output's permuted back), since a dot product does not
-  depend on the channel order. Interleaving had inductor emit a copy of every block.
+  (low nibbles, the even channels, then high nibbles, the odd ones), and the query's channels are
+  permuted to match (the output's permuted back), since a dot product does not depend on the channel
+  order. Interleaving had inductor emit a copy of every block.
 - The keys' per-channel scale multiplies the query, not the keys: a factor every block read made
   inductor fuse the dequantisation of all blocks into one kernel, all their buffers alive at once,
   which is the dense copy again. The block matmuls run in float32 whatever the cache dtype (the
@@ -22,7 +35,15 @@ How a block is unpacked, and why:
   faster 16-bit matmul for these shapes).
 - Deviation from a fused kernel (``triton.py`` dequantises in registers): inductor calls the BLAS matmul
   on each dequantised block, because its generated code for a reduction fused with the unpacking was
-  several times slower than unpack-then-matmul on the CPUs measured.
+  several times slower than unpack-then-matmul (measured again with the float op: ~5x the dense attention).
+- ``SLOT_BLOCKS`` is 4: each block costs an op call and matmul calls (~20 us of overhead), which at
+  small caches (4k-token prompt, batch 1) outweighed keeping a block in L2; 8k-token prompts at batch 8
+  timed the same with 2, 4 or 8 blocks, 16 and 32 were slower.
+- Tried and dropped: shifts and masks on an int32 or int16 view of the bytes inside the graph (the same
+  integer loads, as slow); a float16/bfloat16 op output (ATen's uint8 -> float16 conversion is slow,
+  bfloat16 no faster overall); scale and zero point kept out of the block by splitting the dot product
+  per group (``q . (c * s + z) = s (q . c) + z sum(q)``), which needs a matmul per group or twice the
+  query rows and cost more in BLAS than the pass it saved.
 
 Written for ``torch.compile(fullgraph=True)`` (the decode step): the block count is a constant and the
 block length ``ceil(C / SLOT_BLOCKS)`` a symbol, the last block open-ended, so a cache whose slot count
@@ -38,7 +59,22 @@ from evictlayers.kernels.common import DecodeAttention, check_packed_inputs, no_
 from evictlayers.kernels.decode.naive import slot_softmax
 from evictlayers.kernels.quantization import PackedKV
 
-SLOT_BLOCKS = 8  # blocks the code slots are unpacked in (each block's buffer is 1/8 of a dense copy)
+SLOT_BLOCKS = 4  # blocks the code slots are unpacked in (each block's buffer is 1/4 of a dense copy)
+
+_LIB = torch.library.Library("evictlayers", "FRAGMENT")
+_LIB.define("codes_as_float(Tensor codes) -> Tensor")
+
+
+def _codes_as_float(codes: torch.Tensor) -> torch.Tensor:
+    """``[...]`` uint8 -> ``[...]`` float32, each byte's value: ATen's vectorised conversion, kept out of
+    inductor's generated loops (module docstring)."""
+    return codes.float()
+
+
+_LIB.impl("codes_as_float", _codes_as_float, "CPU")
+torch.library.register_fake("evictlayers::codes_as_float", lambda codes: torch.empty_like(codes, dtype=torch.float32),
+                            lib=_LIB)
+codes_as_float = torch.ops.evictlayers.codes_as_float
 
 
 def quantized_decode_attention_with_mass_cpu(
@@ -98,8 +134,11 @@ def _unpacked(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bloc
     (int4: the low nibbles, channels ``0, 2, 4, ..``, then the high ones); one elementwise pass."""
     halves = 2 if packed.bits == 4 else 1
     per_byte = codes.shape[-1]
-    shift = torch.tensor([0, 4][:halves], dtype=torch.uint8, device=codes.device)[:, None]  # [halves, 1]
-    values = ((codes[:, :, block, None, :] >> shift) & (15 if halves == 2 else 255)).float()  # [B, H, n, halves, P]
+    values = codes_as_float(codes[:, :, block])[:, :, :, None, :]  # [B, H, n, 1, P] each byte's value x
+    if halves == 2:
+        # [B, H, n, 2, P]: x - 16 * floor(x / 16) (low nibble), then floor(x / 16) (high nibble)
+        low, high = (torch.tensor(c, device=codes.device)[:, None] for c in ([1.0, 0.0], [-16.0, 1.0]))
+        values = values * low + torch.floor(values * 0.0625) * high
     scale, zero = scale[:, :, block].float(), zero[:, :, block].float()  # [B, H, n, D / group]
     if packed.group % halves == 0:
         # element (half j, byte p) is channel halves * p + j, in group p // (group / halves) for either half:
