@@ -21,7 +21,8 @@ def _run(policy, budget, cells, setting="query_aware", full=False):
 
 
 def _ruler(model, split, runs):
-    return {"task": "ruler", "model": model, "settings": {"split": split}, "runs": runs}
+    return {"task": "ruler", "model": model, "settings": {"split": split, "samples": 2, "max_new_tokens": 64, "chat": True},
+            "runs": runs}
 
 
 def _ppl(model, values):
@@ -139,3 +140,8 @@ def test_command_draws_one_row_of_panels_per_model(tmp_path):
 def test_the_recipe_chosen_is_the_best_on_the_tuning_split():
     lines = transfer_section(merge(_model("m")))
     assert "Chosen on the tuning split (its best evicting recipe per budget; ties named): 20%: `A` (75.0)." in lines
+
+
+def test_the_report_says_how_the_runs_were_made():
+    lines = transfer_section(merge(_model("m")))
+    assert any("Runs: 2 prompts per task and length, up to 64 new tokens, chat template." in line for line in lines)

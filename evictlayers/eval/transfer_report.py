@@ -58,7 +58,7 @@ def merge(results: Sequence[dict]) -> dict:
     Raises:
         ValueError: a RULER result without a split (run with ``--split``).
     """
-    merged: dict = defaultdict(lambda: {"tuning": {}, "held_out": {}, "perplexity": {}})
+    merged: dict = defaultdict(lambda: {"tuning": {}, "held_out": {}, "perplexity": {}, "runs_with": set()})
     for result in results:
         model = result.get("model") or "model"
         if result["task"] == "perplexity":
@@ -69,6 +69,11 @@ def merge(results: Sequence[dict]) -> dict:
         if split not in SPLITS:
             raise ValueError(f"a RULER result of {model} has no split (split={split!r}); run it with --split "
                              f"{' or '.join(SPLITS)}")
+        settings = result["settings"]
+        merged[model]["runs_with"].add(
+            f"{settings.get('samples', '?')} prompts per task and length, up to "
+            f"{settings.get('max_new_tokens') or "RULER's per-task number of"} new tokens, {'chat template' if settings.get('chat') else 'plain text'}"
+        )
         for run in result["runs"]:
             slot = merged[model][split].setdefault(_key(run), {**run, "scores": {}})
             for setting, by_length in run["scores"].items():
@@ -145,6 +150,7 @@ def _model_lines(model: str, data: dict, setting: str) -> list[str]:
     lengths = sorted({length for r in held.values() for length, _ in _cells(r, setting)}, key=int)
     tuning_lengths = sorted({length for r in tuning.values() for length, _ in _cells(r, setting)}, key=int)
     out = [f"### {_display(model)}", "",
+           f"Runs: {'; '.join(sorted(data['runs_with'])) or '-'}. "
            f"Lengths: tuning {', '.join(tuning_lengths) or '-'}, held-out {', '.join(lengths) or '-'} tokens. Cells: "
            "RULER score (0-100), mean over tasks and lengths; `[new]`: a family the tuning split never holds.", ""]
     head = ["recipe", "budget", "tuning"] + [f"held-out {f}" + ("" if f in SPLITS["tuning"].families else " [new]")
