@@ -70,10 +70,10 @@ def merge(results: Sequence[dict]) -> dict:
             raise ValueError(f"a RULER result of {model} has no split (split={split!r}); run it with --split "
                              f"{' or '.join(SPLITS)}")
         settings = result["settings"]
+        generated = settings.get("max_new_tokens") or "RULER's per-task number of"
+        template = "chat template" if settings.get("chat") else "plain text"
         merged[model]["runs_with"].add(
-            f"{settings.get('samples', '?')} prompts per task and length, up to "
-            f"{settings.get('max_new_tokens') or "RULER's per-task number of"} new tokens, {'chat template' if settings.get('chat') else 'plain text'}"
-        )
+            f"{settings.get('samples', '?')} prompts per task and length, up to {generated} new tokens, {template}")
         for run in result["runs"]:
             slot = merged[model][split].setdefault(_key(run), {**run, "scores": {}})
             for setting, by_length in run["scores"].items():
