@@ -66,10 +66,10 @@ def test_family_means_and_worst_gap_by_hand():
 
 def test_best_recipe_per_task_comes_from_the_held_out_split_only():
     lines = transfer_section(merge(_model("m")))
-    assert "- niah_single_1 at 20%: `B` (100.0; full cache 100.0)" in lines
-    assert "- vt at 20%: `B` (30.0; full cache 40.0)" in lines
-    assert "- niah_single_2 at 20%: `A`, `B` (100.0; full cache 100.0)" in lines
-    assert "- fwe at 20%: `A` (60.0; full cache 60.0)" in lines
+    assert "| niah_single_1 | 100.0 | `B` 100.0 |" in lines
+    assert "| vt | 40.0 | `B` 30.0 |" in lines
+    assert "| niah_single_2 | 100.0 | all 100.0 |" in lines
+    assert "| fwe | 60.0 | `A` 60.0 |" in lines
 
 
 def test_target_needs_every_model_and_the_perplexity():

@@ -117,6 +117,11 @@ def _ppl_gap(split: dict, policy: str) -> float | None:
     return None if full is None or run is None else run["score"] / full["score"] - 1.0
 
 
+def _task_mean(run: dict | None, task: str, setting: str) -> float | None:
+    values = [v for (_, t), v in _cells(run, setting).items() if t == task] if run else []
+    return sum(values) / len(values) if values else None
+
+
 def _display(model: str) -> str:
     """``default`` as the embedded model's name."""
     return "default (SmolLM2-135M-Instruct)" if model == "default" else model
@@ -145,7 +150,7 @@ def _fmt(value: float | None) -> str:
 
 def _model_lines(model: str, data: dict, setting: str) -> list[str]:
     tuning, held = data["tuning"], data["held_out"]
-    full_t, full_h = tuning.get("full"), held.get("full")
+    full_h = held.get("full")
     families = [f for f in FAMILIES if any(family_of(t) == f for r in held.values() for _, t in _cells(r, setting))]
     lengths = sorted({length for r in held.values() for length, _ in _cells(r, setting)}, key=int)
     tuning_lengths = sorted({length for r in tuning.values() for length, _ in _cells(r, setting)}, key=int)
@@ -171,24 +176,24 @@ def _model_lines(model: str, data: dict, setting: str) -> list[str]:
         out.append("| " + " | ".join(cells) + " |")
     out += ["", "Chosen on the tuning split (its best evicting recipe per budget; ties named): "
             + ("; ".join(_chosen(tuning, setting)) or "no evicting recipe ran on it") + ".", ""]
-    out += ["Best recipe per held-out task and budget (held-out scores only; ties named):", ""]
-    tasks = [t for f in families for t in FAMILIES[f]]
-    for budget in _budgets(held):
-        for task in tasks:
-            scored = []
-            for run in held.values():
-                if run["full_cache"] or run["budget"] != budget:
-                    continue
-                values = [v for (_, t), v in _cells(run, setting).items() if t == task]
-                if values:
-                    scored.append((sum(values) / len(values), run["policy"]))
+    budgets = _budgets(held)
+    out += ["Best recipe per held-out task and budget, from held-out scores only (ties named; `all`: every "
+            "evicting recipe scored the same):", "",
+            "| task | full | " + " | ".join(budget_text({"full_cache": False, "budget": b}) for b in budgets) + " |",
+            "|---|---|" + "---|" * len(budgets)]
+    for task in [t for f in families for t in FAMILIES[f]]:
+        cells = [task, _fmt(_task_mean(full_h, task, setting))]
+        for budget in budgets:
+            scored = [(_task_mean(r, task, setting), r["policy"]) for r in held.values()
+                      if not r["full_cache"] and r["budget"] == budget and _task_mean(r, task, setting) is not None]
             if not scored:
+                cells.append("-")
                 continue
-            top = max(s for s, _ in scored)
-            full_values = [v for (_, t), v in _cells(full_h, setting).items() if t == task] if full_h else []
-            ref = f"; full cache {sum(full_values) / len(full_values):.1f}" if full_values else ""
-            names = ", ".join(f"`{p}`" for s, p in scored if s == top)
-            out.append(f"- {task} at {budget_text({'full_cache': False, 'budget': budget})}: {names} ({top:.1f}{ref})")
+            top = max(v for v, _ in scored)
+            best = [p for v, p in scored if v == top]
+            names = "all" if len(best) == len(scored) > 1 else ", ".join(f"`{p}`" for p in best)
+            cells.append(f"{names} {top:.1f}")
+        out.append("| " + " | ".join(cells) + " |")
     return out + [""]
 
 
