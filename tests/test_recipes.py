@@ -151,3 +151,9 @@ def test_bad_budget_in_recipe_is_reported(tmp_path):
 def test_missing_recipe_file():
     with pytest.raises(FileNotFoundError, match="nope.yaml does not exist"):
         el.load_recipe("nope.yaml")
+
+
+def test_the_shipped_retrieval_recipe_is_the_candidate_the_tuning_split_chose():
+    """docs/retrieval.md reports the search candidate by its file name; the shipped recipe must be it."""
+    chosen = Path(el.__file__).parent / "eval" / "candidates" / "tova_keydiff_chunk5.yaml"
+    assert el.load_recipe("tova_keydiff_chunked") == el.load_recipe(chosen)
