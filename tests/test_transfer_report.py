@@ -145,3 +145,11 @@ def test_the_recipe_chosen_is_the_best_on_the_tuning_split():
 def test_the_report_says_how_the_runs_were_made():
     lines = transfer_section(merge(_model("m")))
     assert any("Runs: 2 prompts per task and length, up to 64 new tokens, chat template." in line for line in lines)
+
+
+def test_each_length_gets_its_own_mean():
+    merged = merge([_ruler("m", "held_out", [_run("A", 0.2, {(1024, "vt"): 10.0, (2048, "vt"): 30.0, (2048, "fwe"): 50.0}),
+                                             _run("full", None, {(1024, "vt"): 40.0, (2048, "vt"): 40.0,
+                                                                 (2048, "fwe"): 40.0}, full=True)])])
+    row = next(line for line in transfer_section(merged) if line.startswith("| A | 20% |"))
+    assert "| 1024: 10.0, 2048: 40.0 |" in row

@@ -117,6 +117,14 @@ def _ppl_gap(split: dict, policy: str) -> float | None:
     return None if full is None or run is None else run["score"] / full["score"] - 1.0
 
 
+def _by_length(run: dict | None, setting: str) -> str:
+    """``1024: 34.9, 2048: 30.1``: the run's mean score at each length."""
+    by_length = (run or {}).get("scores", {}).get(setting, {})
+    parts = [f"{length}: {sum(v.values()) / len(v):.1f}" for length, v in sorted(by_length.items(), key=lambda kv: int(kv[0]))
+             if v]
+    return ", ".join(parts) or "-"
+
+
 def _task_mean(run: dict | None, task: str, setting: str) -> float | None:
     values = [v for (_, t), v in _cells(run, setting).items() if t == task] if run else []
     return sum(values) / len(values) if values else None
@@ -159,7 +167,8 @@ def _model_lines(model: str, data: dict, setting: str) -> list[str]:
            f"Lengths: tuning {', '.join(tuning_lengths) or '-'}, held-out {', '.join(lengths) or '-'} tokens. Cells: "
            "RULER score (0-100), mean over tasks and lengths; `[new]`: a family the tuning split never holds.", ""]
     head = ["recipe", "budget", "tuning"] + [f"held-out {f}" + ("" if f in SPLITS["tuning"].families else " [new]")
-                                             for f in families] + ["held-out mean", "worst gap to full", "ppl vs full"]
+                                             for f in families] + ["held-out mean", "held-out by length",
+                                                                   "worst gap to full", "ppl vs full"]
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     labels = ["full"] + [k for k in held if k != "full"]  # tuning-only runs: in the appendix
     for label in labels:
@@ -171,7 +180,7 @@ def _model_lines(model: str, data: dict, setting: str) -> list[str]:
         ppl = _ppl_gap(data, run["policy"]) if run["budget"] == TARGET_BUDGET and not run["full_cache"] else None
         cells = [run["policy"], budget_text(run), _fmt(mean_score(t, setting))]
         cells += [_fmt(fam[f][0]) if f in fam else "-" for f in families]
-        cells += [_fmt(mean_score(h, setting)), "-" if gap is None else f"{gap[0]:+.1f} ({gap[1]})",
+        cells += [_fmt(mean_score(h, setting)), _by_length(h, setting), "-" if gap is None else f"{gap[0]:+.1f} ({gap[1]})",
                   "-" if ppl is None else f"{ppl:+.1%}"]
         out.append("| " + " | ".join(cells) + " |")
     out += ["", "Chosen on the tuning split (its best evicting recipe per budget; ties named): "
