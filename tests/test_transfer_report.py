@@ -153,3 +153,11 @@ def test_each_length_gets_its_own_mean():
                                                                  (2048, "fwe"): 40.0}, full=True)])])
     row = next(line for line in transfer_section(merged) if line.startswith("| A | 20% |"))
     assert "| 1024: 10.0, 2048: 40.0 |" in row
+
+
+def test_the_plot_holds_only_recipes_every_model_ran():
+    from evictlayers.eval.transfer_report import held_out_results
+
+    extra = _ruler("m1", "held_out", [_run("C", 0.2, {(1024, "vt"): 1.0})])
+    results = held_out_results(merge(_model("m1") + _model("m2") + [extra]))
+    assert [[r["policy"] for r in result["runs"]] for result in results] == [["full", "A", "B"]] * 2

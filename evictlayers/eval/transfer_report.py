@@ -148,8 +148,12 @@ def _chosen(tuning: dict, setting: str) -> list[str]:
     return out
 
 
+def _budget_order(budget) -> tuple:
+    return (isinstance(budget, int), budget)  # fractions first, then token counts
+
+
 def _budgets(runs: dict) -> list:
-    return sorted({r["budget"] for r in runs.values() if not r["full_cache"]}, key=lambda b: (isinstance(b, int), b))
+    return sorted({r["budget"] for r in runs.values() if not r["full_cache"]}, key=_budget_order)
 
 
 def _fmt(value: float | None) -> str:
@@ -170,7 +174,9 @@ def _model_lines(model: str, data: dict, setting: str) -> list[str]:
                                              for f in families] + ["held-out mean", "held-out by length",
                                                                    "worst gap to full", "ppl vs full"]
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    labels = ["full"] + [k for k in held if k != "full"]  # tuning-only runs: in the appendix
+    # tuning-only runs are in the appendix; rows by budget, then name
+    labels = ["full"] + sorted((k for k in held if k != "full"),
+                               key=lambda k: (_budget_order(held[k]["budget"]), held[k]["policy"]))
     for label in labels:
         t, h = tuning.get(label), held.get(label)
         ref = full_h if label != "full" else None
@@ -268,10 +274,12 @@ def transfer_section(merged: dict, setting: str = "query_aware") -> list[str]:
 
 def held_out_results(merged: dict, setting: str = "query_aware") -> list[dict]:
     """Each model's merged held-out runs as one result (``model``, ``settings``, ``runs``), the form
-    :func:`evictlayers.eval.ruler_report.plot_ruler` draws one row of panels per model from."""
+    :func:`evictlayers.eval.ruler_report.plot_ruler` draws one row of panels per model from; only the
+    recipes every model ran (the search's single-model runs would crowd the plot)."""
+    common = set.intersection(*({r["policy"] for r in data["held_out"].values()} for data in merged.values()))
     out = []
     for model, data in merged.items():
-        runs = list(data["held_out"].values())
+        runs = [r for r in data["held_out"].values() if r["policy"] in common]
         tasks = sorted({t for r in runs for _, t in _cells(r, setting)})
         out.append({"model": model, "settings": {"tasks": tasks, "setting": [setting]}, "runs": runs})
     return out
