@@ -250,16 +250,15 @@ def _cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         specs = [resolve_recipe(r) for r in args.recipes]
         expand_budgets(specs, args.budget)  # fails before the model loads
+        texts = None
         if args.task in ("perplexity", "agreement") or (args.task == "ruler" and _ruler_reads_books(options)):
-            read_texts(options.get("data"))
+            texts = read_texts(options.get("data"))
         if options.get("split") is not None:  # a split's errors before the model loads
-            from evictlayers.eval.protocol import split_books, split_tasks
+            from evictlayers.eval.protocol import split_books, split_seed, split_tasks
 
-            if options.get("seed") is not None:
-                raise ValueError(f"--seed {options['seed']} with --split {options['split']}: a split draws "
-                                 "from its own seed; drop one")
+            split_seed(options["split"], options.get("seed"))
             split_tasks(options["split"], options.get("tasks"))
-            split_books(read_texts(options.get("data")), options["split"])
+            split_books(texts if texts is not None else read_texts(options.get("data")), options["split"])
     except (FileNotFoundError, RecipeError, ValueError) as error:
         parser.error(str(error))
     try:

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from evictlayers.eval.tasks.ruler.spec import TASKS
 
-__all__ = ["FAMILIES", "SPLITS", "Split", "family_of", "split_books", "split_tasks"]
+__all__ = ["FAMILIES", "SPLITS", "Split", "family_of", "split_books", "split_seed", "split_tasks"]
 
 # RULER's tasks by what their context is made of
 FAMILIES: dict[str, tuple[str, ...]] = {
@@ -86,6 +86,19 @@ def split_books(texts: Sequence[tuple[str, str]], split: str) -> list[tuple[str,
         raise ValueError(f"the tuning and held-out splits need at least two books (one each); got {len(texts)}")
     ordered = sorted(texts, key=lambda item: item[0])
     return [item for i, item in enumerate(ordered) if i % 2 == chosen.book_parity]
+
+
+def split_seed(split: str, seed: int | None) -> int:
+    """The seed ``split`` draws its prompts from.
+
+    Raises:
+        ValueError: an unknown split, or a ``seed`` given beside it (the split fixes its own).
+    """
+    chosen = _split(split)
+    if seed is not None:
+        raise ValueError(f"--seed {seed} with --split {split}: a split draws from its own seed "
+                         f"({', '.join(f'{s.name} {s.seed}' for s in SPLITS.values())}); drop one")
+    return chosen.seed
 
 
 def split_tasks(split: str, tasks: Sequence[str] | None = None) -> list[str]:

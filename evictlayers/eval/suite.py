@@ -44,7 +44,7 @@ from evictlayers.eval.metrics import cache_rows, histogram_evenness, merge_histo
 from evictlayers.eval.tasks.documents import document_windows, read_texts
 from evictlayers.eval.tasks.lines import lines_prompts, parse_record, score_lines
 from evictlayers.eval.tasks.passkey import HAYSTACKS, passkey_grid, score_passkey
-from evictlayers.eval.protocol import SPLITS, split_books, split_tasks
+from evictlayers.eval.protocol import split_books, split_seed, split_tasks
 from evictlayers.eval.ruler_run import SETTINGS, generate_query_agnostic, generate_query_aware, summarize_ruler
 from evictlayers.eval.tasks.ruler import LEFT_OUT, Books, group_of, postprocess, ruler_samples, sample_score, use_chat
 from evictlayers.eval.tasks.ruler import TASKS as RULER_TASKS
@@ -487,11 +487,8 @@ class RulerTask(EvalTask):
             why = f" ({', '.join(left)}: left out, their datasets cannot be downloaded)" if left else ""
             raise ValueError(f"unknown RULER task(s) {unknown}{why} (--ruler-tasks); allowed: {', '.join(RULER_TASKS)}")
         if split is not None:
-            if seed is not None:
-                raise ValueError(f"--seed {seed} with --split {split}: a split draws from its own seed "
-                                 f"({', '.join(f'{s.name} {s.seed}' for s in SPLITS.values())}); drop one")
+            seed = split_seed(split, seed)
             self.tasks = split_tasks(split, None if tasks is None else self.tasks)
-            seed = SPLITS[split].seed
         self.setting = [setting] if isinstance(setting, str) else list(dict.fromkeys(setting))
         bad = [s for s in self.setting if s not in SETTINGS]
         if bad or not self.setting:

@@ -144,8 +144,13 @@ def _chosen(tuning: dict, setting: str) -> list[str]:
         if scored:
             top = max(v for v, _ in scored)
             names = ", ".join(f"`{p}`" for v, p in scored if v == top)
-            out.append(f"{budget_text({'full_cache': False, 'budget': budget})}: {names} ({top:.1f})")
+            out.append(f"{_budget_label(budget)}: {names} ({top:.1f})")
     return out
+
+
+def _budget_label(budget) -> str:
+    """A budgeted run's budget as the report writes it (``20%``, ``512 tok``)."""
+    return budget_text({"full_cache": False, "budget": budget})
 
 
 def _budget_order(budget) -> tuple:
@@ -175,18 +180,17 @@ def _model_lines(model: str, data: dict, setting: str) -> list[str]:
                                                                    "worst gap to full", "ppl vs full"]
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     # tuning-only runs are in the appendix; rows by budget, then name
-    labels = ["full"] + sorted((k for k in held if k != "full"),
-                               key=lambda k: (_budget_order(held[k]["budget"]), held[k]["policy"]))
+    labels = ["full"] * ("full" in held) + sorted((k for k in held if k != "full"),
+                                                  key=lambda k: (_budget_order(held[k]["budget"]), held[k]["policy"]))
     for label in labels:
-        t, h = tuning.get(label), held.get(label)
-        ref = full_h if label != "full" else None
-        fam = family_scores(h, ref, setting) if h else {}
-        gap = worst_gap(h, full_h, setting) if h and label != "full" else None
-        run = h or t
+        t, run = tuning.get(label), held[label]
+        ref = None if run["full_cache"] else full_h
+        fam = family_scores(run, ref, setting)
+        gap = None if run["full_cache"] else worst_gap(run, full_h, setting)
         ppl = _ppl_gap(data, run["policy"]) if run["budget"] == TARGET_BUDGET and not run["full_cache"] else None
         cells = [run["policy"], budget_text(run), _fmt(mean_score(t, setting))]
         cells += [_fmt(fam[f][0]) if f in fam else "-" for f in families]
-        cells += [_fmt(mean_score(h, setting)), _by_length(h, setting), "-" if gap is None else f"{gap[0]:+.1f} ({gap[1]})",
+        cells += [_fmt(mean_score(run, setting)), _by_length(run, setting), "-" if gap is None else f"{gap[0]:+.1f} ({gap[1]})",
                   "-" if ppl is None else f"{ppl:+.1%}"]
         out.append("| " + " | ".join(cells) + " |")
     out += ["", "Chosen on the tuning split (its best evicting recipe per budget; ties named): "
@@ -194,7 +198,7 @@ def _model_lines(model: str, data: dict, setting: str) -> list[str]:
     budgets = _budgets(held)
     out += ["Best recipe per held-out task and budget, from held-out scores only (ties named; `all`: every "
             "evicting recipe scored the same):", "",
-            "| task | full | " + " | ".join(budget_text({"full_cache": False, "budget": b}) for b in budgets) + " |",
+            "| task | full | " + " | ".join(_budget_label(b) for b in budgets) + " |",
             "|---|---|" + "---|" * len(budgets)]
     for task in [t for f in families for t in FAMILIES[f]]:
         cells = [task, _fmt(_task_mean(full_h, task, setting))]
@@ -223,7 +227,7 @@ def target_lines(merged: dict, setting: str) -> list[str]:
         parts, ok = [], True
         for model in models:
             held = merged[model]["held_out"]
-            run = held.get(f"{policy}@{budget_text({'full_cache': False, 'budget': TARGET_BUDGET})}")
+            run = held.get(f"{policy}@{_budget_label(TARGET_BUDGET)}")
             gap = worst_gap(run, held.get("full"), setting) if run else None
             ppl = _ppl_gap(merged[model], policy)
             ok &= gap is not None and gap[0] <= GAP_TARGET and ppl is not None and ppl <= PPL_TARGET
