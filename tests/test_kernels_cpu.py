@@ -65,6 +65,29 @@ def test_cpu_prefill_without_the_mass_keeps_output_and_rows(keep_rows, with_gain
                     keep_rows=keep_rows, max_chunk_elements=500, need_mass=False)
 
 
+@pytest.mark.parametrize(
+    "batch,window,plain", [(1, None, True), (1, 60, True), (1, 20, False), (2, None, False)],
+    ids=["prompt", "window-covers-prompt", "window-shorter", "left-padded"],
+)
+def test_cpu_prefill_of_a_whole_prompt_takes_one_causal_flash_call(monkeypatch, batch, window, plain):
+    """A whole unpadded prompt on an empty cache: one flash call with the op's causal mask and no mask
+    tensor; a window shorter than the prompt or a padded row keeps the additive mask. Either way the
+    output and LSE are the reference's."""
+    calls = []
+    real = prefill_cpu._FLASH
+
+    def spy(*args, **kwargs):
+        calls.append((kwargs.get("is_causal", False), kwargs.get("attn_mask") is None))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(prefill_cpu, "_FLASH", spy)
+    inputs = prefill_inputs(31, 0, 47, groups=3, batch=batch)
+    compare_prefill(attention_with_mass_cpu, inputs, scaling=0.3, sliding_window=window, keep_rows=5,
+                    max_chunk_elements=2000, need_mass=False)
+    assert (calls == [(True, True)]) == plain
+    assert all(not causal and not unmasked for causal, unmasked in calls) != plain
+
+
 def test_cpu_prefill_without_mass_or_rows_scores_nothing(monkeypatch):
     """With neither the mass nor kept rows wanted, no probability is computed: the flash op alone. With
     kept rows, only the blocks holding them are."""

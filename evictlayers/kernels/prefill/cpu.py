@@ -14,7 +14,9 @@ Queries whose probabilities nobody reads (``need_mass=False``, outside the last 
 only the output: they go through PyTorch's fused flash attention for CPU
 (``aten._scaled_dot_product_flash_attention_for_cpu``), which also reports each row's log-sum-exp,
 unless softcap or a value head size other than the key's (which the op cannot express) keeps them on
-the blocked path.
+the blocked path. A whole unpadded prompt on an empty cache takes one call with the op's own causal
+mask (as transformers' SDPA path does); any other layout (padding, older slots, a window shorter than
+the prompt) an additive mask, chunk by chunk.
 
 GQA: the ``G`` query heads of a KV head are one ``[G * r, D]`` matrix against that head's ``[L, D]``
 keys, so each key block is multiplied once per group and nothing is copied; the visibility mask is one
@@ -102,8 +104,20 @@ def attention_with_mass_cpu(
 
     # rows nobody scores: the output (and LSE) alone, from the fused op in large chunks
     flash_rows = first_scored_row if softcap is None and v_dim == head_dim else 0
+    if flash_rows and _plain_causal(query_pos, key_pos, sliding_window):
+        # a whole unpadded prompt: the op's own causal mask is the slot mask, so one call without a mask
+        # tensor covers every such row (the op skips the blocks above the diagonal; no row sees nothing)
+        out[:, :, :flash_rows], row_lse = _FLASH(
+            queries[:, :, :flash_rows], keys[:, None, :flash_rows].expand(-1, groups, -1, -1),
+            values[:, None, :flash_rows].expand(-1, groups, -1, -1), is_causal=True, scale=scaling,
+        )
+        if lse is not None:
+            lse[:, :, :flash_rows] = row_lse
+        first_masked = flash_rows
+    else:
+        first_masked = 0
     chunk = max(1, max_chunk_elements // max(1, batch * q_heads * n_slots))
-    for lo in range(0, flash_rows, chunk):
+    for lo in range(first_masked, flash_rows, chunk):
         hi = min(flash_rows, lo + chunk)
         limit = limits[hi - 1]
         bias = bias_of(lo, hi, 0, limit)
@@ -210,6 +224,17 @@ def _block(
         if unseen:
             probs.nan_to_num_(0.0)
     return out, probs
+
+
+def _plain_causal(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window: int | None) -> bool:
+    """Whether slot ``j`` holds query ``j``'s position at every head, the positions run on by one with no
+    padding, and no window hides a slot: then query ``i`` sees exactly slots ``0..i``, the flash op's
+    ``is_causal`` mask (top-left aligned). A whole prompt on an empty cache is such a call."""
+    q_len, n_slots = query_pos.shape[1], key_pos.shape[2]
+    if n_slots != q_len or (sliding_window is not None and sliding_window < q_len):
+        return False
+    steps = query_pos.diff(dim=1)
+    return bool((query_pos[:, 0] >= 0).all() and (steps == 1).all() and (key_pos == query_pos[:, None, :]).all())
 
 
 def _seen_by_all(key_pos: torch.Tensor):
