@@ -203,7 +203,8 @@ def build_parser() -> argparse.ArgumentParser:
                     "writes markdown.")
     tr.add_argument("results", nargs="+", type=Path, metavar="RESULT",
                     help="ruler.json / perplexity.json files or directories holding them")
-    tr.add_argument("--setting", choices=SETTINGS, default="query_aware", help="(%(default)s)")
+    tr.add_argument("--setting", nargs="+", choices=SETTINGS, default=None,
+                    help="settings to report, a section each (default: every setting the runs hold)")
     tr.add_argument("--out", type=Path, default=None, help="markdown file to write (default: print only)")
     tr.add_argument("--plot", type=Path, default=None,
                     help="also draw the held-out score against the compression ratio, one row of panels per model")
@@ -369,11 +370,11 @@ def _cmd_needles(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
 
 def _cmd_transfer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from evictlayers.eval.ruler_report import plot_ruler
-    from evictlayers.eval.transfer_report import held_out_results, load, merge, transfer_section
+    from evictlayers.eval.transfer_report import held_out_results, load, merge, settings_of, transfer_report
 
     try:
         merged = merge(load(args.results))
-        text = "\n".join(transfer_section(merged, args.setting))
+        text = "\n".join(transfer_report(merged, args.setting))
     except (FileNotFoundError, ValueError) as error:
         parser.error(str(error))
     print(text)
@@ -381,7 +382,8 @@ def _cmd_transfer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(text)
     if args.plot is not None:
-        plot_ruler(held_out_results(merged, args.setting), args.plot, title="RULER, held-out split")
+        plot_ruler(held_out_results(merged, args.setting or settings_of(merged)), args.plot,
+                   title="RULER, held-out split")
     return 0
 
 

@@ -161,3 +161,32 @@ def test_the_plot_holds_only_recipes_every_model_ran():
     extra = _ruler("m1", "held_out", [_run("C", 0.2, {(1024, "vt"): 1.0})])
     results = held_out_results(merge(_model("m1") + _model("m2") + [extra]))
     assert [[r["policy"] for r in result["runs"]] for result in results] == [["full", "A", "B"]] * 2
+
+
+def test_each_setting_gets_its_own_section_from_its_own_cells(tmp_path, capsys):
+    """Query-agnostic runs (context compressed before the question) beside query-aware ones: a section
+    per setting, each from its own cells; a setting no run holds is refused by name."""
+    from evictlayers.eval.transfer_report import settings_of, transfer_report
+
+    agnostic = {p: {cell: value / 2 for cell, value in cells.items()} for p, cells in HELD.items()}
+    agnostic["full"] = HELD["full"]
+    results = _model("m") + [
+        _ruler("m", "held_out", [_run(p, 0.2, c, setting="query_agnostic", full=p == "full") for p, c in agnostic.items()])
+    ]
+    merged = merge(results)
+    assert settings_of(merged) == ["query_aware", "query_agnostic"]
+    text = "\n".join(transfer_report(merged))
+    aware, agnostic_part = text.split("## Retrieval on prompts it was not tuned on: query-agnostic")
+    assert "## Retrieval on prompts it was not tuned on: query-aware" in aware
+    # B agnostic, halved: essay (50 + 35) / 2 = 42.5 against full's 90 (+47.5), noise 32.5 against 70
+    # (+37.5), words 25 against 60 (+35); aware: words is its worst, +10
+    assert "- `B`: m: worst family +10.0 (words)" in aware
+    assert "- `B`: m: worst family +47.5 (essay)" in agnostic_part
+    assert transfer_report(merged, ["query_agnostic"])[0].endswith("query-agnostic")
+    with pytest.raises(ValueError, match="query_agnostic.*the runs hold: query_aware"):
+        transfer_report(merge(_model("m")), ["query_agnostic"])
+    path = tmp_path / "aware.json"
+    path.write_text(json.dumps(_model("m")[1]))
+    with pytest.raises(SystemExit):
+        main(["transfer", str(path), "--setting", "query_agnostic"])
+    assert "the runs hold: query_aware" in capsys.readouterr().err

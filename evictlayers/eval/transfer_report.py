@@ -24,8 +24,10 @@ from pathlib import Path
 
 from evictlayers.eval.protocol import FAMILIES, SPLITS, family_of
 from evictlayers.eval.report import budget_text
+from evictlayers.eval.ruler_run import SETTINGS
 
-__all__ = ["GAP_TARGET", "PPL_TARGET", "held_out_results", "load", "merge", "transfer_section"]
+__all__ = ["GAP_TARGET", "PPL_TARGET", "held_out_results", "load", "merge", "settings_of", "transfer_report",
+           "transfer_section"]
 
 GAP_TARGET = 12.5  # one prompt in eight, in RULER's 0-100 points
 PPL_TARGET = 0.05
@@ -259,10 +261,32 @@ def appendix_lines(merged: dict, setting: str) -> list[str]:
     return out
 
 
+def settings_of(merged: dict) -> list[str]:
+    """The RULER settings (``query_aware``, ``query_agnostic``) any run of any model scored, in that order."""
+    held = {setting for data in merged.values() for split in ("tuning", "held_out")
+            for run in data[split].values() for setting, cells in run["scores"].items() if cells}
+    return [s for s in SETTINGS if s in held]
+
+
+def transfer_report(merged: dict, settings: Sequence[str] | None = None) -> list[str]:
+    """The report's markdown lines: one section per setting in ``settings`` (default: every setting the
+    runs hold).
+
+    Raises:
+        ValueError: a requested setting no run holds (the message names those they hold).
+    """
+    present = settings_of(merged)
+    missing = [s for s in settings or () if s not in present]
+    if missing or not present:
+        raise ValueError(f"no RULER run holds the setting(s) {', '.join(missing) or 'requested'}; the runs hold: "
+                         f"{', '.join(present) or 'none'} (run `evictlayers eval --task ruler --ruler-setting ...`)")
+    return [line for setting in (settings or present) for line in transfer_section(merged, setting)]
+
+
 def transfer_section(merged: dict, setting: str = "query_aware") -> list[str]:
     """The markdown lines of the report for ``setting``."""
     tuning, held = SPLITS["tuning"], SPLITS["held_out"]
-    out = ["## Retrieval on prompts it was not tuned on", "",
+    out = [f"## Retrieval on prompts it was not tuned on: {setting.replace('_', '-')}", "",
            f"Tuning split: families {', '.join(tuning.families)}, every other PG-19 sample book from the first, "
            f"seed {tuning.seed}. Held-out split: families {', '.join(held.families)}, the other books, seed "
            f"{held.seed}; `[new]` marks families the tuning split never holds. Setting: {setting}. "
@@ -276,14 +300,15 @@ def transfer_section(merged: dict, setting: str = "query_aware") -> list[str]:
     return out + appendix_lines(merged, setting)
 
 
-def held_out_results(merged: dict, setting: str = "query_aware") -> list[dict]:
+def held_out_results(merged: dict, settings: Sequence[str] = ("query_aware",)) -> list[dict]:
     """Each model's merged held-out runs as one result (``model``, ``settings``, ``runs``), the form
-    :func:`evictlayers.eval.ruler_report.plot_ruler` draws one row of panels per model from; only the
-    recipes every model ran (the search's single-model runs would crowd the plot)."""
+    :func:`evictlayers.eval.ruler_report.plot_ruler` draws one row of panels per model from (a line per
+    recipe and setting); only the recipes every model ran (the search's single-model runs would crowd the
+    plot)."""
     common = set.intersection(*({r["policy"] for r in data["held_out"].values()} for data in merged.values()))
     out = []
     for model, data in merged.items():
         runs = [r for r in data["held_out"].values() if r["policy"] in common]
-        tasks = sorted({t for r in runs for _, t in _cells(r, setting)})
-        out.append({"model": model, "settings": {"tasks": tasks, "setting": [setting]}, "runs": runs})
+        tasks = sorted({t for r in runs for setting in settings for _, t in _cells(r, setting)})
+        out.append({"model": model, "settings": {"tasks": tasks, "setting": list(settings)}, "runs": runs})
     return out
