@@ -23,7 +23,9 @@ How a block is unpacked, and why:
 - The nibbles are split in float: with ``x`` a byte's value, its high nibble is ``floor(x / 16)`` and its
   low one ``x - 16 * floor(x / 16)``, written as one broadcast expression over the two halves so
   inductor fuses split, scale and zero point into one pass over the block (a ``cat`` of the halves was
-  materialised first and cost another pass).
+  materialised first and cost another pass). Eager (not compiling), each op is its own pass whatever
+  the arithmetic, and ATen's vectorised ``& 15`` and ``>> 4`` on the bytes take fewer of them: the
+  kernel alone ran 1.6x faster that way at 300 and 1,600 slots (one thread, batch 3, 3 KV heads).
 - int4 bytes are not interleaved back into channel order: a block is dequantised as ``[n, 2, D / 2]``
   (low nibbles, the even channels, then high nibbles, the odd ones), and the query's channels are
   permuted to match (the output's permuted back), since a dot product does not depend on the channel
@@ -134,8 +136,14 @@ def _unpacked(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bloc
     (int4: the low nibbles, channels ``0, 2, 4, ..``, then the high ones); one elementwise pass."""
     halves = 2 if packed.bits == 4 else 1
     per_byte = codes.shape[-1]
-    values = codes_as_float(codes[:, :, block])[:, :, :, None, :]  # [B, H, n, 1, P] each byte's value x
-    if halves == 2:
+    if halves == 2 and not torch.compiler.is_compiling():
+        # eager: every op is a pass over the block anyway, and ATen's integer ops are vectorised (inductor's
+        # generated integer loads are what the float split below avoids); [B, H, n, 2, P], low nibbles first
+        block_codes = codes[:, :, block]
+        values = torch.stack([block_codes & 15, block_codes >> 4], dim=-2).float()
+    else:
+        values = codes_as_float(codes[:, :, block])[:, :, :, None, :]  # [B, H, n, 1, P] each byte's value x
+    if halves == 2 and torch.compiler.is_compiling():
         # [B, H, n, 2, P]: x - 16 * floor(x / 16) (low nibble), then floor(x / 16) (high nibble)
         low, high = (torch.tensor(c, device=codes.device)[:, None] for c in ([1.0, 0.0], [-16.0, 1.0]))
         values = values * low + torch.floor(values * 0.0625) * high
@@ -144,8 +152,7 @@ def _unpacked(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bloc
         # element (half j, byte p) is channel halves * p + j, in group p // (group / halves) for either half:
         # each half is D / group runs of group / halves elements sharing a scale (a broadcast, no gather)
         runs = values.unflatten(-1, (-1, packed.group // halves))  # [B, H, n, halves, D / group, run]
-        out = runs * scale[:, :, :, None, :, None] + zero[:, :, :, None, :, None]
-        return out.flatten(-3)
+        return torch.addcmul(zero[:, :, :, None, :, None], runs, scale[:, :, :, None, :, None]).flatten(-3)
     # an odd group (int4 only): the halves of a byte may fall in different groups
     channel = halves * torch.arange(per_byte, device=codes.device) + torch.arange(halves, device=codes.device)[:, None]
     group = channel // packed.group  # [halves, P]
