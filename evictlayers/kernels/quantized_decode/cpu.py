@@ -151,7 +151,13 @@ def _unpacked(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bloc
     if packed.group % halves == 0:
         # element (half j, byte p) is channel halves * p + j, in group p // (group / halves) for either half:
         # each half is D / group runs of group / halves elements sharing a scale (a broadcast, no gather)
-        runs = values.unflatten(-1, (-1, packed.group // halves))  # [B, H, n, halves, D / group, run]
+        run = packed.group // halves
+        if not torch.compiler.is_compiling():
+            # eager: scale and zero point spread over each group's run of bytes first, so that the one
+            # broadcast left is over the halves (ATen took twice as long broadcasting over a short inner run)
+            return torch.addcmul(zero.repeat_interleave(run, -1)[:, :, :, None, :], values,
+                                 scale.repeat_interleave(run, -1)[:, :, :, None, :]).flatten(-2)
+        runs = values.unflatten(-1, (-1, run))  # [B, H, n, halves, D / group, run]
         return torch.addcmul(zero[:, :, :, None, :, None], runs, scale[:, :, :, None, :, None]).flatten(-3)
     # an odd group (int4 only): the halves of a byte may fall in different groups
     channel = halves * torch.arange(per_byte, device=codes.device) + torch.arange(halves, device=codes.device)[:, None]
