@@ -24,8 +24,11 @@ How a block is unpacked, and why:
   low one ``x - 16 * floor(x / 16)``, written as one broadcast expression over the two halves so
   inductor fuses split, scale and zero point into one pass over the block (a ``cat`` of the halves was
   materialised first and cost another pass). Eager (not compiling), each op is its own pass whatever
-  the arithmetic, and ATen's vectorised ``& 15`` and ``>> 4`` on the bytes take fewer of them: the
-  kernel alone ran 1.6x faster that way at 300 and 1,600 slots (one thread, batch 3, 3 KV heads).
+  the arithmetic, and ATen's vectorised ``& 15`` and ``>> 4`` on the bytes take fewer of them; with the
+  scale and zero point spread over their runs before one ``addcmul`` (below), the eager kernel ran
+  1.8x (300 slots) and 2.5x (1,600 slots) faster than through the float split (one thread, batch 3,
+  3 KV heads, ``python`` timing loop; still 4x the dense decode's time at 300 slots, batch 8: in eager
+  mode its ~150 small ops per call cost more than the bytes they save).
 - int4 bytes are not interleaved back into channel order: a block is dequantised as ``[n, 2, D / 2]``
   (low nibbles, the even channels, then high nibbles, the odd ones), and the query's channels are
   permuted to match (the output's permuted back), since a dot product does not depend on the channel
