@@ -190,3 +190,16 @@ def test_each_setting_gets_its_own_section_from_its_own_cells(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["transfer", str(path), "--setting", "query_agnostic"])
     assert "the runs hold: query_aware" in capsys.readouterr().err
+
+
+def test_each_row_shows_the_perplexity_measured_at_its_own_budget():
+    """A 50% row reads the 50% perplexity run, a 20% row the 20% one; a budget never measured shows '-',
+    and the target still reads 20% only."""
+    ppl = _ppl("m", {"full": 10.0, "B": 10.4})
+    ppl["runs"].append({"policy": "B", "budget": 0.5, "full_cache": False, "score": 10.1})
+    held = [_run(p, 0.2, c, full=p == "full") for p, c in HELD.items()] + [_run("B", 0.5, HELD["B"]), _run("A", 0.5, HELD["A"])]
+    lines = transfer_section(merge([_ruler("m", "tuning", []), _ruler("m", "held_out", held), ppl]))
+    row = {line.split(" | ")[0] + " " + line.split(" | ")[1]: line for line in lines if line.startswith(("| A |", "| B |"))}
+    assert row["| B 20%"].endswith("| +4.0% |") and row["| B 50%"].endswith("| +1.0% |")
+    assert row["| A 50%"].endswith("| - |")
+    assert "- `B`: m: worst family +10.0 (words), perplexity +4.0%: meets the target" in lines

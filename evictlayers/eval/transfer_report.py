@@ -112,10 +112,11 @@ def worst_gap(run: dict, full: dict | None, setting: str) -> tuple[float, str] |
     return max(gaps) if gaps else None
 
 
-def _ppl_gap(split: dict, policy: str) -> float | None:
+def _ppl_gap(split: dict, policy: str, budget=TARGET_BUDGET) -> float | None:
+    """The streamed perplexity of ``policy`` at ``budget`` over the full cache's, minus 1 (``None``: not run)."""
     runs = split.get("perplexity", {})
     full = runs.get("full")
-    run = next((r for r in runs.values() if r["policy"] == policy and r["budget"] == TARGET_BUDGET), None)
+    run = next((r for r in runs.values() if r["policy"] == policy and r["budget"] == budget), None)
     return None if full is None or run is None else run["score"] / full["score"] - 1.0
 
 
@@ -189,7 +190,7 @@ def _model_lines(model: str, data: dict, setting: str) -> list[str]:
         ref = None if run["full_cache"] else full_h
         fam = family_scores(run, ref, setting)
         gap = None if run["full_cache"] else worst_gap(run, full_h, setting)
-        ppl = _ppl_gap(data, run["policy"]) if run["budget"] == TARGET_BUDGET and not run["full_cache"] else None
+        ppl = None if run["full_cache"] else _ppl_gap(data, run["policy"], run["budget"])
         cells = [run["policy"], budget_text(run), _fmt(mean_score(t, setting))]
         cells += [_fmt(fam[f][0]) if f in fam else "-" for f in families]
         cells += [_fmt(mean_score(run, setting)), _by_length(run, setting), "-" if gap is None else f"{gap[0]:+.1f} ({gap[1]})",
@@ -291,7 +292,7 @@ def transfer_section(merged: dict, setting: str = "query_aware") -> list[str]:
            f"seed {tuning.seed}. Held-out split: families {', '.join(held.families)}, the other books, seed "
            f"{held.seed}; `[new]` marks families the tuning split never holds. Setting: {setting}. "
            f"Worst gap: the largest (full cache - recipe) over the held-out families. Perplexity: streamed, "
-           f"at 20%, on the held-out books, against the full cache.", ""]
+           f"at the row's budget where it was measured, on the held-out books, against the full cache.", ""]
     for model, data in merged.items():
         out += _model_lines(model, data, setting)
     target = target_lines(merged, setting)
