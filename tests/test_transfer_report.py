@@ -203,3 +203,17 @@ def test_each_row_shows_the_perplexity_measured_at_its_own_budget():
     assert row["| B 20%"].endswith("| +4.0% |") and row["| B 50%"].endswith("| +1.0% |")
     assert row["| A 50%"].endswith("| - |")
     assert "- `B`: m: worst family +10.0 (words), perplexity +4.0%: meets the target" in lines
+
+
+def test_a_setting_section_lists_only_the_runs_that_scored_it():
+    """Recipes and models without query-agnostic runs are left out of that section's tables and appendix,
+    and the target check names a model without such runs as not run."""
+    results = _model("m1") + _model("m2") + [
+        _ruler("m1", "held_out", [_run(p, 0.2, HELD[p], setting="query_agnostic", full=p == "full") for p in ("full", "B")])
+    ]
+    lines = transfer_section(merge(results), "query_agnostic")
+    start = next(i for i, line in enumerate(lines) if line.startswith("| recipe | budget | tuning | held-out"))
+    rows = lines[start + 2 : lines.index("", start)]
+    assert [line.split(" | ")[0] for line in rows] == ["| full", "| B"]
+    assert "### m2" not in lines and "### m1" in lines
+    assert "- `B`: m1: worst family +10.0 (words), perplexity not measured; m2: worst family not run, perplexity not measured: misses the target" in lines

@@ -293,8 +293,13 @@ def transfer_section(merged: dict, setting: str = "query_aware") -> list[str]:
            f"{held.seed}; `[new]` marks families the tuning split never holds. Setting: {setting}. "
            f"Worst gap: the largest (full cache - recipe) over the held-out families. Perplexity: streamed, "
            f"at the row's budget where it was measured, on the held-out books, against the full cache.", ""]
+    # only the runs that scored this setting; a model without any keeps its place in the target check
+    merged = {model: {**data, **{split: {k: r for k, r in data[split].items() if _cells(r, setting)}
+                                 for split in ("tuning", "held_out")}}
+              for model, data in merged.items()}
     for model, data in merged.items():
-        out += _model_lines(model, data, setting)
+        if data["tuning"] or data["held_out"]:
+            out += _model_lines(model, data, setting)
     target = target_lines(merged, setting)
     out += [f"Target: at 20%, on every model, the worst held-out family within {GAP_TARGET:g} points (one prompt in "
             f"eight) of the full cache and streamed perplexity within {PPL_TARGET:.0%}:", "", *(target or ["- no recipe ran at 20%"]), ""]
