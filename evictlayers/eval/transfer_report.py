@@ -1,6 +1,7 @@
 """The retrieval report of the tuning / held-out protocol (:mod:`evictlayers.eval.protocol`): RULER scores
 on the tuning split beside the held-out split, per model, recipe and budget; the best recipe per held-out
-task and budget, named from the held-out split only; the target check; and every configuration tried.
+task and budget, named from the held-out split only; the target check; and every configuration tried;
+one such section per RULER setting (query-aware, query-agnostic) the runs scored.
 
 Input: the ``ruler.json`` files of ``evictlayers eval --task ruler --split tuning|held_out`` runs
 (several per split are merged: one may hold 1k prompts, another 2k), and optionally ``perplexity.json``
