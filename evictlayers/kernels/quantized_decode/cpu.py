@@ -139,23 +139,24 @@ def _unpacked(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bloc
     (int4: the low nibbles, channels ``0, 2, 4, ..``, then the high ones); one elementwise pass."""
     halves = 2 if packed.bits == 4 else 1
     per_byte = codes.shape[-1]
-    if halves == 2 and not torch.compiler.is_compiling():
+    compiling = torch.compiler.is_compiling()
+    if halves == 2 and not compiling:
         # eager: every op is a pass over the block anyway, and ATen's integer ops are vectorised (inductor's
         # generated integer loads are what the float split below avoids); [B, H, n, 2, P], low nibbles first
         block_codes = codes[:, :, block]
         values = torch.stack([block_codes & 15, block_codes >> 4], dim=-2).float()
     else:
         values = codes_as_float(codes[:, :, block])[:, :, :, None, :]  # [B, H, n, 1, P] each byte's value x
-    if halves == 2 and torch.compiler.is_compiling():
-        # [B, H, n, 2, P]: x - 16 * floor(x / 16) (low nibble), then floor(x / 16) (high nibble)
-        low, high = (torch.tensor(c, device=codes.device)[:, None] for c in ([1.0, 0.0], [-16.0, 1.0]))
-        values = values * low + torch.floor(values * 0.0625) * high
+        if halves == 2:
+            # [B, H, n, 2, P]: x - 16 * floor(x / 16) (low nibble), then floor(x / 16) (high nibble)
+            low, high = (torch.tensor(c, device=codes.device)[:, None] for c in ([1.0, 0.0], [-16.0, 1.0]))
+            values = values * low + torch.floor(values * 0.0625) * high
     scale, zero = scale[:, :, block].float(), zero[:, :, block].float()  # [B, H, n, D / group]
     if packed.group % halves == 0:
         # element (half j, byte p) is channel halves * p + j, in group p // (group / halves) for either half:
         # each half is D / group runs of group / halves elements sharing a scale (a broadcast, no gather)
         run = packed.group // halves
-        if not torch.compiler.is_compiling():
+        if not compiling:
             # eager: scale and zero point spread over each group's run of bytes first, so that the one
             # broadcast left is over the halves (ATen took twice as long broadcasting over a short inner run)
             return torch.addcmul(zero.repeat_interleave(run, -1)[:, :, :, None, :], values,
