@@ -79,8 +79,13 @@ def cpu_id(case):
                      str(dtype).removeprefix("torch."), reduce, *flags])
 
 
+@pytest.mark.parametrize("block_bytes", [None, 512], ids=["blocks-by-size", "most-blocks"])
 @pytest.mark.parametrize("case", CPU_CASES, ids=map(cpu_id, CPU_CASES))
-def test_cpu_matches_naive(case):
+def test_cpu_matches_naive(case, block_bytes, monkeypatch):
+    """Eager, with the blocks these small caches get (one) and with the most blocks (some of them empty
+    where the slots are fewer)."""
+    if block_bytes is not None:
+        monkeypatch.setattr(quantized_cpu, "EAGER_BLOCK_BYTES", block_bytes)
     n_codes, n_residual, groups, (head_dim, v_dim), bits, group, dtype, softcap, window, reduce, gain, need_mass = case
     inputs = quantized_inputs(n_codes + groups, n_codes, n_residual, groups=groups, head_dim=head_dim, v_dim=v_dim,
                               bits=bits, group=group, dtype=dtype)
@@ -94,8 +99,14 @@ def test_cpu_matches_naive(case):
     assert (got.out[1] == 0).all()
 
 
-def test_cpu_never_dequantises_more_than_a_block(monkeypatch):
-    """The point of the backend: no dense copy of the code slots, one block of ``C / SLOT_BLOCKS`` at a time."""
+@pytest.mark.parametrize("block_bytes,blocks", [(None, 1), (100_000, 4), (30_000, 8)])
+def test_cpu_never_dequantises_more_than_a_block(monkeypatch, block_bytes, blocks):
+    """The point of the backend: no dense copy of the code slots beyond a bounded block. Eager, the keys of
+    batch 3, 2 KV heads, 203 slots and 64 channels take 3 * 2 * 203 * 64 * 4 = 311,808 float32 bytes:
+    one block under the default 768 KiB, ceil(311,808 / 100,000) = 4 blocks of at most 51 slots, and no
+    more than ``EAGER_MAX_BLOCKS`` (8, of at most 26 slots) however small the allowance."""
+    if block_bytes is not None:
+        monkeypatch.setattr(quantized_cpu, "EAGER_BLOCK_BYTES", block_bytes)
     lengths = []
     real = quantized_cpu._unpacked
 
@@ -107,8 +118,8 @@ def test_cpu_never_dequantises_more_than_a_block(monkeypatch):
     monkeypatch.setattr(quantized_cpu, "_unpacked", spy)
     inputs = quantized_inputs(3, 203, 4)
     quantized_decode_attention_with_mass_cpu(*inputs, **options(64))
-    assert len(lengths) == 2 * quantized_cpu.SLOT_BLOCKS  # keys, then values
-    assert sum(lengths) == 2 * 203 and max(lengths) == -(-203 // quantized_cpu.SLOT_BLOCKS)
+    assert len(lengths) == 2 * blocks  # keys, then values
+    assert sum(lengths) == 2 * 203 and max(lengths) == -(-203 // blocks)
 
 
 def test_cpu_compiles_into_one_graph_for_every_slot_count():

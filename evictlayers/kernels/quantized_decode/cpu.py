@@ -27,8 +27,7 @@ How a block is unpacked, and why:
   the arithmetic, and ATen's vectorised ``& 15`` and ``>> 4`` on the bytes take fewer of them; with the
   scale and zero point spread over their runs before one ``addcmul`` (below), the eager kernel ran
   1.8x (300 slots) and 2.5x (1,600 slots) faster than through the float split (one thread, batch 3,
-  3 KV heads, ``python`` timing loop; still 4x the dense decode's time at 300 slots, batch 8: in eager
-  mode its ~150 small ops per call cost more than the bytes they save).
+  3 KV heads, ``python`` timing loop, four blocks; eager block counts below).
 - int4 bytes are not interleaved back into channel order: a block is dequantised as ``[n, 2, D / 2]``
   (low nibbles, the even channels, then high nibbles, the odd ones), and the query's channels are
   permuted to match (the output's permuted back), since a dot product does not depend on the channel
@@ -41,16 +40,22 @@ How a block is unpacked, and why:
 - Deviation from a fused kernel (``triton.py`` dequantises in registers): inductor calls the BLAS matmul
   on each dequantised block, because its generated code for a reduction fused with the unpacking was
   several times slower than unpack-then-matmul (measured again with the float op: ~5x the dense attention).
-- ``SLOT_BLOCKS`` is 4: each block costs an op call and matmul calls (~20 us of overhead), which at
-  small caches (4k-token prompt, batch 1) outweighed keeping a block in L2; 8k-token prompts at batch 8
+- Compiled, ``SLOT_BLOCKS`` is 4: each block costs an op call and matmul calls (~20 us of overhead), which
+  at small caches (4k-token prompt, batch 1) outweighed keeping a block in L2; 8k-token prompts at batch 8
   timed the same with 2, 4 or 8 blocks, 16 and 32 were slower.
+- Eager, a block's ~15 ATen calls cost ~100 us whatever its size, so the count follows the cache instead:
+  as many blocks as keep each block's float32 buffer under ``EAGER_BLOCK_BYTES`` (768 KiB), at most
+  ``EAGER_MAX_BLOCKS``; a cache that small is one block. Same-run kernel timings (one thread, 3 KV heads,
+  ``D = 64``, group 32), 1/2/4 blocks: 0.33 MiB of dense keys 0.81/1.05/1.48 ms, 0.66 MiB 1.80/2.08/3.17 ms;
+  2 MiB 8.7/5.7/3.7 ms (a buffer over ~1 MiB cost several times its size: fresh pages each call); 8, 16
+  blocks at 12 MiB 13.6/15.0 ms against 15.4 ms for 4.
 - Tried and dropped: shifts and masks on an int32 or int16 view of the bytes inside the graph (the same
   integer loads, as slow); a float16/bfloat16 op output (ATen's uint8 -> float16 conversion is slow,
   bfloat16 no faster overall); scale and zero point kept out of the block by splitting the dot product
   per group (``q . (c * s + z) = s (q . c) + z sum(q)``), which needs a matmul per group or twice the
   query rows and cost more in BLAS than the pass it saved.
 
-Written for ``torch.compile(fullgraph=True)`` (the decode step): the block count is a constant and the
+Written for ``torch.compile(fullgraph=True)`` (the decode step): compiled, the block count is a constant and the
 block length ``ceil(C / SLOT_BLOCKS)`` a symbol, the last block open-ended, so a cache whose slot count
 changes (a growing full cache, per-layer budgets) keeps one shape-generic graph rather than a graph per
 size.
@@ -64,7 +69,9 @@ from evictlayers.kernels.common import DecodeAttention, check_packed_inputs, no_
 from evictlayers.kernels.decode.naive import slot_softmax
 from evictlayers.kernels.quantization import PackedKV
 
-SLOT_BLOCKS = 4  # blocks the code slots are unpacked in (each block's buffer is 1/4 of a dense copy)
+SLOT_BLOCKS = 4  # compiled: blocks the code slots are unpacked in (each block's buffer is 1/4 of a dense copy)
+EAGER_BLOCK_BYTES = 3 << 18  # eager: the most float32 bytes one block's keys or values take (768 KiB)...
+EAGER_MAX_BLOCKS = 8  # ...in at most this many blocks (more cost more in calls than they save)
 
 _LIB = torch.library.Library("evictlayers", "FRAGMENT")
 _LIB.define("codes_as_float(Tensor codes) -> Tensor")
@@ -109,7 +116,11 @@ def quantized_decode_attention_with_mass_cpu(
     grouped = query.view(batch, kv_heads, groups, head_dim).float()
     # the query in the codes' channel order, times the keys' channel scale ([B, H_kv, G, D])
     permuted = _codes_order(grouped * packed.key_channel_scale, halves)
-    blocks = _blocks(n_codes)
+    if torch.compiler.is_compiling():
+        blocks = _blocks(n_codes, SLOT_BLOCKS)
+    else:
+        dense_bytes = 4 * batch * kv_heads * n_codes * max(head_dim, packed.value_codes.shape[-1] * halves)
+        blocks = _blocks(n_codes, min(EAGER_MAX_BLOCKS, max(1, -(-dense_bytes // EAGER_BLOCK_BYTES))))
     logits = [
         torch.matmul(permuted, _unpacked(packed.key_codes, packed.key_scale, packed.key_zero, block, packed)
                      .transpose(-1, -2))
@@ -179,10 +190,8 @@ def _channel_order(x: torch.Tensor, halves: int) -> torch.Tensor:
     return x.unflatten(-1, (halves, -1)).transpose(-1, -2).flatten(-2)
 
 
-def _blocks(n_slots: int) -> list[slice]:
-    """``SLOT_BLOCKS`` consecutive slices covering ``range(n_slots)``, the last open-ended (no clamp, so no
-    guard on whether the length divides evenly); a symbolic ``n_slots`` stays symbolic."""
-    length = (n_slots + SLOT_BLOCKS - 1) // SLOT_BLOCKS
-    return [slice(i * length, (i + 1) * length) for i in range(SLOT_BLOCKS - 1)] + [
-        slice((SLOT_BLOCKS - 1) * length, None)
-    ]
+def _blocks(n_slots: int, count: int) -> list[slice]:
+    """``count`` consecutive slices covering ``range(n_slots)``, the last open-ended (no clamp, so no guard
+    on whether the length divides evenly); a symbolic ``n_slots`` stays symbolic."""
+    length = (n_slots + count - 1) // count
+    return [slice(i * length, (i + 1) * length) for i in range(count - 1)] + [slice((count - 1) * length, None)]
