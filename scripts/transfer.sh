@@ -8,7 +8,9 @@
 #               split, embedded SmolLM2, at 20%: the only numbers a recipe may be chosen by (then the same
 #               on the held-out split, for the report's appendix)
 #   report      the REPORT recipes on both splits of both models at BUDGETS x LENGTHS
-#   perplexity  streamed perplexity at 20% on the held-out books (the target's other half)
+#   perplexity  streamed perplexity at 20% on the tuning and the held-out books (the target's other half)
+#   layer-kinds the ByLayerKind candidates (a sliding-window layer's share of a full-attention layer's budget)
+#               on Gemma 3 270M's tuning books and tuning split, 20%: the only numbers its share is chosen by
 #   render      evictlayers transfer <every saved run> --out docs/retrieval.md
 # The PG-19 books are read from $EVICTLAYERS_DATA, else ../shared/data/pg19-sample next to the repo.
 set -euo pipefail
@@ -19,9 +21,11 @@ LENGTHS=${LENGTHS:-"1024 2048 4096"}
 BUDGETS=${BUDGETS:-"0.1 0.2 0.5"}
 MODELS=${MODELS:-"default gemma-3-270m"}
 SEARCH_LENGTHS=${SEARCH_LENGTHS:-1024}
-# the chosen recipe under its candidate name (tova_keydiff_chunked ships the same file's policy)
-REPORT=${REPORT:-"full h2o snapkv tova_keydiff evictlayers/eval/candidates/tova_keydiff_chunk5.yaml"}
-STEPS=${STEPS:-"search report perplexity render"}
+# the chosen recipe under its candidate name (tova_keydiff_chunked ships the same file's policy), and the
+# search's choice before the sliding layers' share was chosen
+REPORT=${REPORT:-"full h2o snapkv tova_keydiff evictlayers/eval/candidates/tova_keydiff_chunk5.yaml
+    evictlayers/eval/candidates/tova_keydiff_chunk5_by_kind25.yaml"}
+STEPS=${STEPS:-"search layer-kinds report perplexity render"}
 OUT=${OUT:-docs/retrieval}
 # NIAH answers are at most ~50 tokens on these tokenizers (four 7-digit values); RULER allows 128, which a
 # base model without an end-of-turn token spends in full on every prompt
@@ -49,16 +53,25 @@ for step in $STEPS; do
                 done
             done
         done ;;
+    layer-kinds)
+        kinds=(evictlayers/eval/candidates/tova_keydiff_chunk5_by_kind*.yaml)
+        python -m evictlayers.cli eval evictlayers/eval/candidates/tova_keydiff_chunk5.yaml "${kinds[@]}" \
+            --model gemma-3-270m --task perplexity --budget 0.2 --split tuning --n-docs 2 --threads "$THREADS" \
+            --no-progress --out "$OUT/gemma-3-270m-perplexity-tuning-by-kind"
+        python -m evictlayers.cli eval "${kinds[@]}" --model gemma-3-270m --budget 0.2 --split tuning \
+            --lengths $SEARCH_LENGTHS "${common[@]}" --out "$OUT/gemma-3-270m-tuning-$SEARCH_LENGTHS-by-kind" ;;
     perplexity)
         for model in $MODELS; do
-            # the full cache and every REPORT recipe at 20%, streamed token by token over held-out books
-            python -m evictlayers.cli eval $REPORT --model "$model" --task perplexity --budget 0.2 --split held_out \
-                --n-docs 2 --threads "$THREADS" --no-progress --out "$OUT/$model-perplexity"
+            for split in tuning held_out; do
+                # the full cache and every REPORT recipe at 20%, streamed token by token over the split's books
+                python -m evictlayers.cli eval $REPORT --model "$model" --task perplexity --budget 0.2 --split "$split" \
+                    --n-docs 2 --threads "$THREADS" --no-progress --out "$OUT/$model-perplexity-$split"
+            done
         done ;;
     render)
         python -m evictlayers.cli transfer "$OUT"/*/ --out docs/retrieval.md --plot "$OUT/held_out.png" ;;
     *)
-        echo "unknown step $step (search, report, perplexity, render)" >&2; exit 2 ;;
+        echo "unknown step $step (search, layer-kinds, report, perplexity, render)" >&2; exit 2 ;;
     esac
 done
 echo "transfer.sh: $(( ($(date +%s) - start) / 60 )) min"

@@ -25,8 +25,8 @@ def _ruler(model, split, runs):
             "runs": runs}
 
 
-def _ppl(model, values):
-    return {"task": "perplexity", "model": model, "settings": {},
+def _ppl(model, values, split="held_out"):
+    return {"task": "perplexity", "model": model, "settings": {"split": split},
             "runs": [{"policy": p, "budget": None if p == "full" else 0.2, "full_cache": p == "full", "score": v}
                      for p, v in values.items()]}
 
@@ -217,3 +217,15 @@ def test_a_setting_section_lists_only_the_runs_that_scored_it():
     assert [line.split(" | ")[0] for line in rows] == ["| full", "| B"]
     assert "### m2" not in lines and "### m1" in lines
     assert "- `B`: m1: worst family +10.0 (words), perplexity not measured; m2: worst family not run, perplexity not measured: misses the target" in lines
+
+
+def test_perplexity_on_the_tuning_books_sits_beside_the_held_out_one_and_never_counts_for_the_target():
+    """A tuning-split perplexity run fills the row's tuning column only; the target reads the held-out one
+    (B: +4.0% held-out meets it, though +30% on the tuning books); a result without a split is refused."""
+    results = _model("m", ppl={"full": 10.0, "B": 10.4}) + [_ppl("m", {"full": 10.0, "B": 13.0}, split="tuning")]
+    lines = transfer_section(merge(results))
+    row = next(line for line in lines if line.startswith("| B | 20%"))
+    assert row.endswith("| +30.0% | +4.0% |")
+    assert "- `B`: m: worst family +10.0 (words), perplexity +4.0%: meets the target" in lines
+    with pytest.raises(ValueError, match=r"a perplexity result of m has no split \(split=None\)"):
+        merge([{**_ppl("m", {"full": 10.0}), "settings": {}}])

@@ -46,7 +46,7 @@ class Policy(nn.Module):
     ``drop`` is how many tokens go at once when a head exceeds its budget: ``1`` (H2O Algorithm 1,
     at most one eviction per step) or Scissorhands' drop amount ``m`` (Algorithm 2), an ``int`` or a
     ``float`` fraction of the budget (the paper uses ``m = 0.5 B``). ``allocation`` splits the budget
-    across layers (``Uniform``, ``Ramp``, ``Pyramid``; the budget is the per-layer mean).
+    across layers (``Uniform``, ``Ramp``, ``Pyramid``, ``ByLayerKind``; the budget is the per-layer mean).
     ``positions`` is which rotary positions attention sees: ``"absolute"`` (default: each key keeps the
     RoPE of its original position) or ``"rolling"`` (keys held un-rotated and re-rotated to their rank
     among the retained tokens, as StreamingLLM does, so a bounded cache never shows the model a position
@@ -99,7 +99,9 @@ class Policy(nn.Module):
         self._check_budget(budget)
         self._check_drop(drop, budget)
         if allocation is not None and not isinstance(allocation, Allocation):
-            raise TypeError(f"Policy(allocation={allocation!r}): expected Uniform(), Ramp(...) or Pyramid(...)")
+            raise TypeError(
+                f"Policy(allocation={allocation!r}): expected Uniform(), Ramp(...), Pyramid(...) or ByLayerKind(...)"
+            )
         if gqa_reduce not in GQA_REDUCTIONS:
             raise ValueError(f"Policy(gqa_reduce={gqa_reduce!r}): expected one of {GQA_REDUCTIONS}")
         if storage is not None and not isinstance(storage, STORAGES):
@@ -273,9 +275,13 @@ class Policy(nn.Module):
                 f"budget cannot give every selector a slot ({parts}); raise the budget or change the shares"
             )
 
-    def resolve_budget(self, prompt_len: torch.Tensor, layer_idx: int = 0, num_layers: int = 1) -> torch.Tensor | None:
+    def resolve_budget(
+        self, prompt_len: torch.Tensor, layer_idx: int = 0, num_layers: int = 1,
+        sliding_layers: frozenset[int] = frozenset(),
+    ) -> torch.Tensor | None:
         """``[B]`` int64 tokens per KV head of layer ``layer_idx`` for each row, from the rows' real
-        prompt lengths ``[B]``; the allocation splits the budget across ``num_layers`` layers."""
+        prompt lengths ``[B]``; the allocation splits the budget across ``num_layers`` layers, of which
+        ``sliding_layers`` (indices) have a sliding window."""
         if self.budget is None:
             return None
         if isinstance(self.budget, int):
@@ -285,7 +291,7 @@ class Policy(nn.Module):
             budget = torch.floor(prompt_len.double() * self.budget + 0.5).long().clamp(min=1)
             where = f"budget={self.budget} of a {int(prompt_len.max())}-token prompt"
         if num_layers > 1:
-            budget = self.allocation.layer_budgets(budget, num_layers)[layer_idx]
+            budget = self.allocation.layer_budgets(budget, num_layers, sliding_layers)[layer_idx]
             where += f", layer {layer_idx} of {num_layers} under {self.allocation!r}"
         if bool((budget < 1).any()):
             raise ValueError(f"Policy {where}: the layer gets {int(budget.min())} tokens; every layer needs >= 1")

@@ -66,7 +66,7 @@ class SlotStore:
 
     def __init__(
         self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False,
-        rotary: RotaryTable | None = None, window: int | None = None,
+        rotary: RotaryTable | None = None, window: int | None = None, sliding_layers: frozenset[int] = frozenset(),
     ):
         """``rotary``: the model's rotary table, which ``Policy(positions="rolling")`` needs (its keys are
         held un-rotated and rotated to their rank at every step; ``compose/positions.py``).
@@ -75,7 +75,10 @@ class SlotStore:
         ``window - 1`` tokens before it, so a sliding layer never needs more than ``window - 1`` held tokens:
         whatever the policy, it holds at most that many (``full`` included, as transformers' own sliding
         cache does), the policy's budget binds where it is smaller, and a token that slid out of the window
-        is the first to be evicted."""
+        is the first to be evicted.
+
+        ``sliding_layers``: the indices of the model's sliding-window layers, for an allocation that weighs
+        layers by kind (``ByLayerKind``)."""
         if rotary is not None and not isinstance(rotary, RotaryTable):
             raise TypeError(f"SlotStore(rotary={rotary!r}): expected a RotaryTable or None")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
@@ -85,6 +88,7 @@ class SlotStore:
         self.bound: str | None = None
         self.policy = policy
         self.layer_idx, self.num_layers = layer_idx, num_layers
+        self.sliding_layers = frozenset(sliding_layers)
         self.compile = compile
         self.rotary = rotary
         self.most = 1  # the largest drop amount of any row, fixed with the budget at the first step
@@ -192,7 +196,8 @@ class SlotStore:
     def reset(self) -> None:
         """Forget every token, the sketch included: the next step starts the layer afresh."""
         self.__init__(
-            self.policy, self.layer_idx, self.num_layers, compile=self.compile, rotary=self.rotary, window=self.window
+            self.policy, self.layer_idx, self.num_layers, compile=self.compile, rotary=self.rotary, window=self.window,
+            sliding_layers=self.sliding_layers,
         )
 
     # ---- one step ------------------------------------------------------------------------------
@@ -327,7 +332,7 @@ class SlotStore:
     def _layer_budget(self, prompt_len: torch.Tensor, sliding_window: int | None) -> torch.Tensor | None:
         """``[B]`` tokens per head: the policy's budget, capped at ``sliding_window - 1`` on a sliding
         layer (the most any later query can see); records which of the two binds in ``bound``."""
-        budget = self.policy.resolve_budget(prompt_len, self.layer_idx, self.num_layers)
+        budget = self.policy.resolve_budget(prompt_len, self.layer_idx, self.num_layers, self.sliding_layers)
         self.bound = None if budget is None else "budget"
         if sliding_window is None:
             return budget

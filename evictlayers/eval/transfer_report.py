@@ -5,8 +5,9 @@ one such section per RULER setting (query-aware, query-agnostic) the runs scored
 
 Input: the ``ruler.json`` files of ``evictlayers eval --task ruler --split tuning|held_out`` runs
 (several per split are merged: one may hold 1k prompts, another 2k), and optionally ``perplexity.json``
-files (streamed perplexity on the held-out books) for the perplexity half of the target. Each file names
-its model; a model's tuning and held-out runs are matched by that name.
+files of ``evictlayers eval --task perplexity --split ...``: streamed perplexity on the held-out books for
+the perplexity half of the target, on the tuning books beside it. Each file names its model; a model's
+tuning and held-out runs are matched by that name.
 
 Scores compare like with like: a recipe's family score and the full cache's are means over the same
 (task, length) cells, so a recipe run at fewer lengths is compared on those lengths only.
@@ -55,23 +56,26 @@ def _key(run: dict) -> str:
 
 
 def merge(results: Sequence[dict]) -> dict:
-    """``{model: {"tuning" | "held_out": {label: run}, "perplexity": {label: run}}}``; a RULER run's
+    """``{model: {"tuning" | "held_out": {label: run}, "perplexity" | "perplexity_tuning": {label: run}}}``
+    (streamed perplexity on the held-out / tuning split's books); a RULER run's
     ``scores[setting][length][task]`` cells are merged over the files (a later file wins a cell both hold).
 
     Raises:
-        ValueError: a RULER result without a split (run with ``--split``).
+        ValueError: a result without a split (run with ``--split``).
     """
-    merged: dict = defaultdict(lambda: {"tuning": {}, "held_out": {}, "perplexity": {}, "runs_with": set()})
+    merged: dict = defaultdict(
+        lambda: {"tuning": {}, "held_out": {}, "perplexity": {}, "perplexity_tuning": {}, "runs_with": set()}
+    )
     for result in results:
         model = result.get("model") or "model"
-        if result["task"] == "perplexity":
-            for run in result["runs"]:
-                merged[model]["perplexity"][_key(run)] = run
-            continue
         split = result["settings"].get("split")
         if split not in SPLITS:
-            raise ValueError(f"a RULER result of {model} has no split (split={split!r}); run it with --split "
-                             f"{' or '.join(SPLITS)}")
+            raise ValueError(f"a {result['task']} result of {model} has no split (split={split!r}); run it with "
+                             f"--split {' or '.join(SPLITS)}")
+        if result["task"] == "perplexity":
+            for run in result["runs"]:
+                merged[model]["perplexity" if split == "held_out" else "perplexity_tuning"][_key(run)] = run
+            continue
         settings = result["settings"]
         generated = settings.get("max_new_tokens") or "RULER's per-task number of"
         template = "chat template" if settings.get("chat") else "plain text"
@@ -113,9 +117,10 @@ def worst_gap(run: dict, full: dict | None, setting: str) -> tuple[float, str] |
     return max(gaps) if gaps else None
 
 
-def _ppl_gap(split: dict, policy: str, budget=TARGET_BUDGET) -> float | None:
-    """The streamed perplexity of ``policy`` at ``budget`` over the full cache's, minus 1 (``None``: not run)."""
-    runs = split.get("perplexity", {})
+def _ppl_gap(split: dict, policy: str, budget=TARGET_BUDGET, books: str = "perplexity") -> float | None:
+    """The streamed perplexity of ``policy`` at ``budget`` over the full cache's, minus 1 (``None``: not run),
+    on the held-out books (``books="perplexity"``) or the tuning ones (``"perplexity_tuning"``)."""
+    runs = split.get(books, {})
     full = runs.get("full")
     run = next((r for r in runs.values() if r["policy"] == policy and r["budget"] == budget), None)
     return None if full is None or run is None else run["score"] / full["score"] - 1.0
@@ -181,7 +186,8 @@ def _model_lines(model: str, data: dict, setting: str) -> list[str]:
            "RULER score (0-100), mean over tasks and lengths; `[new]`: a family the tuning split never holds.", ""]
     head = ["recipe", "budget", "tuning"] + [f"held-out {f}" + ("" if f in SPLITS["tuning"].families else " [new]")
                                              for f in families] + ["held-out mean", "held-out by length",
-                                                                   "worst gap to full", "ppl vs full"]
+                                                                   "worst gap to full", "tuning ppl vs full",
+                                                                   "held-out ppl vs full"]
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     # tuning-only runs are in the appendix; rows by budget, then name
     labels = ["full"] * ("full" in held) + sorted((k for k in held if k != "full"),
@@ -192,10 +198,11 @@ def _model_lines(model: str, data: dict, setting: str) -> list[str]:
         fam = family_scores(run, ref, setting)
         gap = None if run["full_cache"] else worst_gap(run, full_h, setting)
         ppl = None if run["full_cache"] else _ppl_gap(data, run["policy"], run["budget"])
+        ppl_t = None if run["full_cache"] else _ppl_gap(data, run["policy"], run["budget"], "perplexity_tuning")
         cells = [run["policy"], budget_text(run), _fmt(mean_score(t, setting))]
         cells += [_fmt(fam[f][0]) if f in fam else "-" for f in families]
         cells += [_fmt(mean_score(run, setting)), _by_length(run, setting), "-" if gap is None else f"{gap[0]:+.1f} ({gap[1]})",
-                  "-" if ppl is None else f"{ppl:+.1%}"]
+                  "-" if ppl_t is None else f"{ppl_t:+.1%}", "-" if ppl is None else f"{ppl:+.1%}"]
         out.append("| " + " | ".join(cells) + " |")
     out += ["", "Chosen on the tuning split (its best evicting recipe per budget; ties named): "
             + ("; ".join(_chosen(tuning, setting)) or "no evicting recipe ran on it") + ".", ""]

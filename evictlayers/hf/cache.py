@@ -23,11 +23,14 @@ class EvictionLayer(CacheLayerMixin):
 
     def __init__(
         self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False,
-        rotary: RotaryTable | None = None, window: int | None = None,
+        rotary: RotaryTable | None = None, window: int | None = None, sliding_layers: frozenset[int] = frozenset(),
     ):
-        """``window``: the layer's sliding window (``SlotStore``), ``None`` for full attention."""
+        """``window``: the layer's sliding window (``SlotStore``), ``None`` for full attention;
+        ``sliding_layers``: the indices of the model's sliding-window layers (``SlotStore``)."""
         super().__init__()
-        self.store = SlotStore(policy, layer_idx, num_layers, compile=compile, rotary=rotary, window=window)
+        self.store = SlotStore(
+            policy, layer_idx, num_layers, compile=compile, rotary=rotary, window=window, sliding_layers=sliding_layers
+        )
         self.is_sliding = window is not None
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
 
@@ -107,8 +110,10 @@ class EvictionHybridLayer(LinearAttentionLayer, EvictionLayer):
     def __init__(
         self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False,
         rotary: RotaryTable | None = None, window: int | None = None, number_of_states: int = 1,
+        sliding_layers: frozenset[int] = frozenset(),
     ):
-        EvictionLayer.__init__(self, policy, layer_idx, num_layers, compile=compile, rotary=rotary, window=window)
+        EvictionLayer.__init__(self, policy, layer_idx, num_layers, compile=compile, rotary=rotary, window=window,
+                               sliding_layers=sliding_layers)
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
     def lazy_initialization(self, *args, **kwargs) -> None:
@@ -150,6 +155,9 @@ class EvictionCache(Cache):
         if support is not None and support.num_layers != num_layers:
             raise ValueError(f"EvictionCache: num_layers={num_layers} but the model has {support.num_layers} layers")
         layers = []
+        sliding = frozenset(
+            index for index in range(num_layers) if support is not None and support.window(index) is not None
+        )
         for index in range(num_layers):
             if support is not None and index in support.carried:
                 kind, kwargs = support.carried[index]
@@ -160,12 +168,13 @@ class EvictionCache(Cache):
                 states = support.recurrent_states(index) if support is not None else None
                 if states is None:
                     layers.append(
-                        EvictionLayer(policy, index, num_layers, compile=compile, rotary=table, window=window)
+                        EvictionLayer(policy, index, num_layers, compile=compile, rotary=table, window=window,
+                                      sliding_layers=sliding)
                     )
                 else:
                     layers.append(EvictionHybridLayer(
                         policy, index, num_layers, compile=compile, rotary=table, window=window,
-                        number_of_states=states,
+                        number_of_states=states, sliding_layers=sliding,
                     ))
         super().__init__(layers=layers)
         self.policy = policy
