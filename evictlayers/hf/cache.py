@@ -155,8 +155,8 @@ class EvictionCache(Cache):
         if support is not None and support.num_layers != num_layers:
             raise ValueError(f"EvictionCache: num_layers={num_layers} but the model has {support.num_layers} layers")
         layers = []
-        sliding = frozenset(
-            index for index in range(num_layers) if support is not None and support.window(index) is not None
+        sliding = frozenset() if support is None else frozenset(
+            layer.index for layer in support.attention if layer.window is not None
         )
         for index in range(num_layers):
             if support is not None and index in support.carried:

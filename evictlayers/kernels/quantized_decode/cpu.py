@@ -119,7 +119,7 @@ def quantized_decode_attention_with_mass_cpu(
     if torch.compiler.is_compiling():
         blocks = _blocks(n_codes, SLOT_BLOCKS)
     else:
-        dense_bytes = 4 * batch * kv_heads * n_codes * max(head_dim, packed.value_codes.shape[-1] * halves)
+        dense_bytes = 4 * batch * kv_heads * n_codes * max(head_dim, residual_values.shape[-1])
         blocks = _blocks(n_codes, min(EAGER_MAX_BLOCKS, max(1, -(-dense_bytes // EAGER_BLOCK_BYTES))))
     logits = [
         torch.matmul(permuted, _unpacked(packed.key_codes, packed.key_scale, packed.key_zero, block, packed)
