@@ -5,6 +5,7 @@
     evictlayers generate RECIPE "prompt" [--budget 0.2] [--model default]
     evictlayers claims [--doc docs/results.md]      # the papers' claims on the embedded model
     evictlayers needles RECIPE... --budget 0.2 --haystack prose --chat-format --out DIR   # per-head key dumps
+    evictlayers needles RECIPE... --task ruler --split held_out --lengths 1024 --out DIR  # ... of RULER's needles
 
 RECIPE is a shipped recipe name (``h2o``, ``local``, ``full``, ... in ``evictlayers/recipes/``) or a path to a recipe YAML.
 ``eval`` writes ``<task>.json`` (every number, per example too), ``<task>.md`` (a table) and two plots
@@ -182,18 +183,29 @@ def build_parser() -> argparse.ArgumentParser:
     _add_runtime(cl)
 
     nd = commands.add_parser(
-        "needles", help="per-head dumps: which layers and KV heads hold the pass key after the prompt",
-        description="Prefill passkey prompts under each recipe and count, per layer and KV head, the key's "
-                    "tokens still held; writes needles.json and needles.md.")
+        "needles", help="per-head dumps: which layers and KV heads hold the pass key (or RULER's needles) after the prompt",
+        description="Prefill passkey prompts (or RULER's niah_* prompts, --task ruler) under each recipe and count, "
+                    "per layer and KV head, the key's (each answer's) tokens still held; writes needles.json and "
+                    "needles.md.")
     nd.add_argument("recipes", nargs="+", metavar="RECIPE", help="shipped recipe names or YAML paths")
+    nd.add_argument("--task", choices=("passkey", "ruler"), default="passkey", help="(passkey)")
     nd.add_argument("--budget", type=_budget, default=0.2, help="budget for every recipe but full (0.2)")
-    nd.add_argument("--haystack", choices=("filler", "prose"), default="prose", help="(prose)")
-    nd.add_argument("--chat-format", dest="chat", action="store_true", help="wrap prompts in the chat template")
-    nd.add_argument("--length", type=_positive, default=1000, help="prompt length in tokens (1000)")
-    nd.add_argument("--depths", type=_positive, default=8, help="prompts at evenly spaced key depths (8)")
-    nd.add_argument("--seed", type=int, default=0, help="prompt seed (0)")
-    nd.add_argument("--data-dir", dest="data", type=Path, default=None, help="directory of .txt books (prose)")
+    nd.add_argument("--seed", type=int, default=None, help="prompt seed (0; ruler: the split's with --split)")
+    nd.add_argument("--data-dir", dest="data", type=Path, default=None, help="directory of .txt books")
     nd.add_argument("--out", required=True, type=Path, help="directory for needles.json and needles.md")
+    group = nd.add_argument_group("passkey")
+    group.add_argument("--haystack", choices=("filler", "prose"), default=None, help="(prose)")
+    group.add_argument("--chat-format", dest="chat", action="store_const", const=True, default=None,
+                       help="wrap prompts in the chat template")
+    group.add_argument("--length", type=_positive, default=None, help="prompt length in tokens (1000)")
+    group.add_argument("--depths", type=_positive, default=None, help="prompts at evenly spaced key depths (8)")
+    group = nd.add_argument_group("ruler (query-aware; the chat template where the tokenizer has one)")
+    group.add_argument("--ruler-tasks", nargs="+", choices=[t for t in RULER_TASKS if t.startswith("niah")],
+                       default=None, metavar="NAME", help="niah_* tasks (default: every one the split holds)")
+    group.add_argument("--ruler-samples", type=_positive, default=None, help="prompts per task and length (2)")
+    group.add_argument("--lengths", type=_positive, nargs="+", default=None, help="context lengths in tokens (1024)")
+    group.add_argument("--split", choices=list(SPLITS), default=None, help="the protocol's split (default: none)")
+    group.add_argument("--max-new-tokens", type=_positive, default=None, help="tokens generated per prompt (64)")
     _add_runtime(nd)
 
     tr = commands.add_parser(
@@ -339,13 +351,24 @@ def _cmd_claims(args: argparse.Namespace, parser: argparse.ArgumentParser) -> in
     return 0
 
 
+NEEDLES_OPTIONS = {"haystack": "passkey", "chat": "passkey", "length": "passkey", "depths": "passkey",
+                   "ruler_tasks": "ruler", "ruler_samples": "ruler", "lengths": "ruler", "split": "ruler",
+                   "max_new_tokens": "ruler"}
+
+
 def _cmd_needles(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import torch
 
     from evictlayers.compose import RecipeError
-    from evictlayers.eval import needles
+    from evictlayers.eval import needles, ruler_needles
+    from evictlayers.eval.protocol import SPLITS
     from evictlayers.eval.runner import resolve_recipe
+    from evictlayers.eval.suite import RulerTask
+    from evictlayers.eval.tasks.ruler import TASKS as RULER_TASKS
 
+    for option, task in NEEDLES_OPTIONS.items():
+        if getattr(args, option) is not None and args.task != task:
+            parser.error(f"--{option.replace('_', '-')} does not apply to --task {args.task} (it applies to --task {task})")
     try:
         for recipe in args.recipes:
             resolve_recipe(recipe)
@@ -356,14 +379,26 @@ def _cmd_needles(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     model, tokenizer = _load_model(args.model)
     command = "evictlayers " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["needles"] else "evictlayers needles ..."
     try:
-        payload = needles.run_needles(
-            model, tokenizer, args.recipes, args.budget, haystack=args.haystack, chat=args.chat, length=args.length,
-            depths=args.depths, seed=args.seed, data=args.data, command=command,
-        )
+        if args.task == "ruler":
+            # default: every needle task (of the split's families, with --split)
+            niah = [t for t in (SPLITS[args.split].tasks if args.split else RULER_TASKS) if t.startswith("niah")]
+            task = RulerTask(tokenizer, tasks=args.ruler_tasks or niah, lengths=args.lengths or [1024],
+                             samples=args.ruler_samples or 2, seed=args.seed, max_new_tokens=args.max_new_tokens or 64,
+                             data=args.data, split=args.split)
+            task.check_model(model)
+            payload = ruler_needles.run_ruler_needles(model, tokenizer, args.recipes, args.budget, task, command)
+            render = ruler_needles.markdown
+        else:
+            payload = needles.run_needles(
+                model, tokenizer, args.recipes, args.budget, haystack=args.haystack or "prose", chat=bool(args.chat),
+                length=args.length or 1000, depths=args.depths or 8, seed=args.seed or 0, data=args.data,
+                command=command,
+            )
+            render = needles.markdown
     except ValueError as error:
         parser.error(str(error))
-    paths = needles.write(payload, args.out)
-    print(needles.markdown(payload))
+    paths = needles.write(payload, args.out, render)
+    print(render(payload))
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0
 

@@ -11,6 +11,9 @@
 #   perplexity  streamed perplexity at 20% on the tuning and the held-out books (the target's other half)
 #   layer-kinds the ByLayerKind candidates (a sliding-window layer's share of a full-attention layer's budget)
 #               on Gemma 3 270M's tuning books and tuning split, 20%: the only numbers its share is chosen by
+#   needles     per-head dumps of the needles the full cache and the shipped recipe hold after RULER's niah_*
+#               prompts (SmolLM2, 1k, 20%, both splits): which answers were evicted, which were held and missed
+#               (written to $OUT-needles/: render reads only $OUT/)
 #   render      evictlayers transfer <every saved run> --out docs/retrieval.md
 # The PG-19 books are read from $EVICTLAYERS_DATA, else ../shared/data/pg19-sample next to the repo.
 set -euo pipefail
@@ -25,7 +28,7 @@ SEARCH_LENGTHS=${SEARCH_LENGTHS:-1024}
 # search's choice before the sliding layers' share was chosen
 REPORT=${REPORT:-"full h2o snapkv tova_keydiff evictlayers/eval/candidates/tova_keydiff_chunk5.yaml
     evictlayers/eval/candidates/tova_keydiff_chunk5_by_kind25.yaml"}
-STEPS=${STEPS:-"search layer-kinds report perplexity render"}
+STEPS=${STEPS:-"search layer-kinds report perplexity needles render"}
 OUT=${OUT:-docs/retrieval}
 # NIAH answers are at most ~50 tokens on these tokenizers (four 7-digit values); RULER allows 128, which a
 # base model without an end-of-turn token spends in full on every prompt
@@ -68,10 +71,15 @@ for step in $STEPS; do
                     --n-docs 2 --threads "$THREADS" --no-progress --out "$OUT/$model-perplexity-$split"
             done
         done ;;
+    needles)
+        for split in tuning held_out; do
+            python -m evictlayers.cli needles full tova_keydiff_chunked --task ruler --split "$split" \
+                --lengths $SEARCH_LENGTHS --ruler-samples "$SAMPLES" --threads "$THREADS" --out "$OUT-needles/default-$split"
+        done ;;
     render)
         python -m evictlayers.cli transfer "$OUT"/*/ --out docs/retrieval.md --plot "$OUT/held_out.png" ;;
     *)
-        echo "unknown step $step (search, layer-kinds, report, perplexity, render)" >&2; exit 2 ;;
+        echo "unknown step $step (search, layer-kinds, report, perplexity, needles, render)" >&2; exit 2 ;;
     esac
 done
 echo "transfer.sh: $(( ($(date +%s) - start) / 60 )) min"

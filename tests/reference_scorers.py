@@ -5,7 +5,8 @@ runs as the slot store does (a multi-token step keeps the best ``budget`` tokens
 the budget drops ``drop`` at once), and every scorer is computed from its equation over the full
 history of attention rows:
 
-- Windowed (AhaKV Eq. 5): ``S_j = sum_{i in last r rows} a_{i,j}``;
+- Windowed (AhaKV Eq. 5): ``S_j = sum_{i in last r rows} a_{i,j}``; with ``reduce="max"``,
+  ``S_j = max_{i in last r rows} a_{i,j}`` (0 when no row saw ``j``);
 - LowScoreCounter (Scissorhands Alg. 2): ``I_j = #{i in last w rows : j present and visible at i,
   a_{i,j} < 1/t_i}``, ``t_i = i + 1``; drop the highest counts, the newest first among equal counts;
 - SG-softmax (AhaKV Eq. 9, 12): row ``i`` scores with ``softmax(lambda_i * q_i . k_j)``,
@@ -60,7 +61,7 @@ def sg_lambda(i: int, budget: int | None, d: int) -> float:
 class ReferenceCache:
     """One head under a budget, fed chunk by chunk.
 
-    ``scorer`` is ``("cumulative",)``, ``("windowed", r)`` or ``("low", w, threshold)`` with threshold
+    ``scorer`` is ``("cumulative",)``, ``("windowed", r)``, ``("windowed_max", r)`` or ``("low", w, threshold)`` with threshold
     ``"1/t"`` or a float; ``sg`` turns on SG-softmax; ``pool`` (odd) turns on the value prior.
     """
 
@@ -88,6 +89,8 @@ class ReferenceCache:
             return sum(row.get(j, 0.0) for _, row in self.rows)
         if self.scorer[0] == "windowed":
             return sum(row.get(j, 0.0) for _, row in self.rows[-self.scorer[1]:])
+        if self.scorer[0] == "windowed_max":
+            return max(row.get(j, 0.0) for _, row in self.rows[-self.scorer[1]:])
         raise ValueError(self.scorer)
 
     def low_count(self, j: int) -> int:

@@ -24,6 +24,8 @@ SCHEDULES = {
 def _selector(scorer, sg, pool):
     if scorer[0] == "windowed":
         accumulator = el.Windowed(scorer[1])
+    elif scorer[0] == "windowed_max":
+        accumulator = el.Windowed(scorer[1], reduce="max")
     elif scorer[0] == "low":
         accumulator = el.LowScoreCounter(window=scorer[1], threshold=scorer[2])
     else:
@@ -82,6 +84,12 @@ def _compare(scorer, *, budget, schedule, recent=0, sinks=0, drop=1, sg=False, p
 @pytest.mark.parametrize("rows,budget,recent", [(4, 8, 0), (6, 10, 3), (1, 6, 2)], ids=str)
 def test_windowed_matches_eq_5(schedule, rows, budget, recent):
     _compare(("windowed", rows), budget=budget, schedule=schedule, recent=recent, seed=rows)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@pytest.mark.parametrize("rows,budget,recent", [(4, 8, 0), (6, 10, 3), (1, 6, 2)], ids=str)
+def test_windowed_max_keeps_the_largest_row_of_the_window(schedule, rows, budget, recent):
+    _compare(("windowed_max", rows), budget=budget, schedule=schedule, recent=recent, seed=rows + 10)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
@@ -189,6 +197,7 @@ def test_cumulative_score_falls_with_position_while_windowed_stays_flat():
     [
         (lambda: el.Windowed(0), r"Windowed\(rows=0\): rows must be an int >= 1"),
         (lambda: el.Windowed(2.5), r"Windowed\(rows=2.5\): rows must be an int >= 1"),
+        (lambda: el.Windowed(4, reduce="mean"), r"Windowed\(reduce='mean'\): reduce must be one of 'sum', 'max'"),
         (lambda: el.LowScoreCounter(window=0), r"LowScoreCounter\(window=0\): window must be an int >= 1"),
         (lambda: el.LowScoreCounter(threshold="1/n"), r"threshold='1/n'.*expected \"1/t\" or a number in \(0, 1\]"),
         (lambda: el.LowScoreCounter(threshold=None), r"threshold=None.*expected \"1/t\" or a number"),
@@ -201,7 +210,7 @@ def test_cumulative_score_falls_with_position_while_windowed_stays_flat():
         (lambda: el.HeavyHitterSelector(el.Windowed(), prior=el.StepGainSoftmax()), "expected a ScorePrior"),
         (lambda: el.HeavyHitterSelector(el.LowScoreCounter(), prior=el.ValuePrior()), "would invert them"),
     ],
-    ids=["rows-0", "rows-float", "window-0", "threshold-string", "threshold-none", "threshold-big",
+    ids=["rows-0", "rows-float", "reduce-unknown", "window-0", "threshold-string", "threshold-none", "threshold-big",
          "threshold-zero", "pool-even", "pool-0", "pool-negative", "transform-type", "prior-type", "prior-on-counter"],
 )
 def test_bad_arguments_name_the_value_and_the_allowed_range(make, match):

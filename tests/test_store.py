@@ -161,3 +161,24 @@ def test_values_narrower_than_keys_attend_as_plain_softmax_and_evict():
         assert step.shape == (2, 4, 1, 12)
     assert store.values.shape == (2, 2, 5, 12) and store.keys.shape == (2, 2, 5, 16)
     assert int(store.retained().max()) == 4
+
+
+def test_eager_decode_ranks_only_on_steps_that_evict(monkeypatch):
+    """Scissorhands' drop of m = B/2: a step over the budget ranks once and evicts m; the m - 1 steps after
+    it hold no more than the budget, choose no victim, and (eager, CPU) skip the ranking altogether."""
+    from evictlayers.compose import ranking
+
+    calls = []
+    priority = ranking.priority
+    monkeypatch.setattr(ranking, "priority", lambda *args: calls.append(1) or priority(*args))
+    q, k, v = _qkv(n=30)
+    store = el.SlotStore(el.Policy(el.HeavyHitterSelector(el.LowScoreCounter(window=4)), budget=10, drop=0.5))
+    store.step(q[:, :, :10], k[:, :, :10], v[:, :, :10], scaling=0.5)
+    ranked = len(calls)
+    held = []
+    for i in range(10, 20):
+        store.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], scaling=0.5)
+        held.append(int(store.retained().max()))
+    # 11 held at step 10 -> 5 evicted -> 6; then 7..10 within the budget; 11 at step 15 -> 6 again
+    assert held == [6, 7, 8, 9, 10, 6, 7, 8, 9, 10]
+    assert len(calls) - ranked == 2

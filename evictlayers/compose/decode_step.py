@@ -126,6 +126,12 @@ def decode_step(
         return out
     most = store.most
     drop = decode_drop(view.valid.sum(-1), budget, policy.drop_amount(budget))
+    if drop.device.type == "cpu" and not torch.compiler.is_compiling() and not bool(drop.any()):
+        # eager on CPU, where reading ``drop`` costs nothing: no head is over its budget, so the ranking
+        # below would choose no victim. Skipping it saves Scissorhands, which evicts m = B/2 at once and
+        # then nothing for B/2 steps, four sorts of the slots per layer and step (compiled, the graph
+        # keeps its one branch-free path; on a GPU the read would wait for the device)
+        return out
     victims, chosen = choose_evicted(
         ranking.priority(policy, state, view), pos, drop, most, ranking.tie_tolerance(policy)
     )

@@ -173,9 +173,10 @@ def run_needles(
     }
 
 
-def write(payload: dict, out: Path) -> list[Path]:
+def write(payload: dict, out: Path, render=markdown) -> list[Path]:
+    """``needles.json`` and ``needles.md`` (``render(payload)``: this module's or the RULER dump's markdown)."""
     out.mkdir(parents=True, exist_ok=True)
     paths = [out / "needles.json", out / "needles.md"]
     paths[0].write_text(json.dumps(payload, indent=1))
-    paths[1].write_text(markdown(payload))
+    paths[1].write_text(render(payload))
     return paths

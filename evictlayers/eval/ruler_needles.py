@@ -1,0 +1,205 @@
+"""Per-head needle dumps on RULER's needle tasks: which answers a recipe's cache still holds after the
+prompt, and which it then finds.
+
+Every ``niah_*`` answer is the value of one needle, "One of the special magic {kind} for {key} is:
+{value}.", and occurs once in the prompt (:mod:`evictlayers.eval.tasks.ruler.niah`). For each recipe
+and prompt (query-aware: the whole prompt is one prefill, batch 1) the dump counts, per layer and KV
+head, the value's tokens and the key's tokens the cache holds once the prompt is in; greedy decoding
+then continues from that cache, and each answer is scored as RULER scores it (found in the answer or
+not). The summary separates the two ways an answer is lost: its value evicted from some head (the
+selection dropped it), or held by every head and still not given (the model, or the context around
+the needle that went).
+
+``evictlayers needles full tova_keydiff_chunked --task ruler --split held_out --lengths 1024`` writes
+``needles.json`` and ``needles.md``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+
+import evictlayers as el
+from evictlayers.eval.needles import held_key_tokens
+from evictlayers.eval.tasks.ruler import ruler_samples, sample_score
+
+__all__ = ["NEEDLE_PATTERN", "dump_ruler_prompt", "markdown", "needle_spans", "profile", "run_ruler_needles", "summarize_answers"]
+
+# niah.NEEDLE with its key and value captured
+NEEDLE_PATTERN = re.compile(r"One of the special magic \w+ for (?P<key>.+?) is: (?P<value>\S+?)\.")
+
+
+def needle_spans(tokenizer, text: str, ids: Sequence[int], answers: Sequence[str], chat: bool) -> list[dict]:
+    """Per answer: ``{"answer", "key", "key_tokens", "value_tokens"}``, the token indices of ``ids`` (the
+    prompt's tokens, as :func:`~evictlayers.eval.tasks.ruler.prompt.count_tokens` makes them) that overlap
+    the key and the value of the needle whose value is the answer.
+
+    Raises:
+        ValueError: the tokenizer does not give ``ids`` for ``text``, or an answer is not the value of
+            exactly one needle in the text (a task whose answers are not needle values: vt, cwe, fwe).
+    """
+    encoded = tokenizer(text, add_special_tokens=not chat, return_offsets_mapping=True)
+    if list(encoded["input_ids"]) != list(ids):
+        raise ValueError("the tokenizer's offsets do not describe the prompt's tokens (its ids differ)")
+    offsets = encoded["offset_mapping"]
+
+    def covering(start: int, end: int) -> list[int]:
+        return [i for i, (a, b) in enumerate(offsets) if a < end and b > start]
+
+    needles = list(NEEDLE_PATTERN.finditer(text))
+    spans = []
+    for answer in answers:
+        found = [m for m in needles if m.group("value") == answer]
+        if len(found) != 1:
+            raise ValueError(f"answer {answer!r} is the value of {len(found)} needles in the prompt, not one: "
+                             "needle dumps need RULER's niah_* tasks")
+        m = found[0]
+        spans.append({"answer": answer, "key": m.group("key"), "key_tokens": covering(*m.span("key")),
+                      "value_tokens": covering(*m.span("value"))})
+    return spans
+
+
+def dump_ruler_prompt(model, tokenizer, policy: el.Policy, sample, chat: bool) -> dict:
+    """One RULER sample under ``policy``: per answer, its key's and value's tokens held per layer and KV
+    head after the prompt, and whether the greedy answer (at most the sample's ``max_new_tokens``,
+    stopping at the end-of-sequence token) contains it."""
+    spans = needle_spans(tokenizer, sample.text, sample.input_ids, sample.answers, chat)
+    ids = torch.tensor([list(sample.input_ids)])
+    eos = tokenizer.eos_token_id
+    generated = []
+    with torch.inference_mode(), el.apply(model, policy) as run:
+        cache = run.new_cache()
+        logits = model(input_ids=ids, past_key_values=cache).logits
+        held = [(held_key_tokens(cache, s["key_tokens"]), held_key_tokens(cache, s["value_tokens"])) for s in spans]
+        length = ids.shape[1]
+        for _ in range(sample.max_new_tokens):
+            token = logits[:, -1:].argmax(-1)
+            generated.append(int(token))
+            if int(token) == eos:
+                break
+            length += 1
+            mask = torch.ones(1, length, dtype=torch.long)
+            logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits
+    text = tokenizer.decode(generated, skip_special_tokens=True)
+    answers = []
+    for s, (key_held, value_held) in zip(spans, held):
+        answers.append({
+            "answer": s["answer"], "key": s["key"], "depth": s["value_tokens"][0] / len(sample.input_ids),
+            "key_tokens": len(s["key_tokens"]), "value_tokens": len(s["value_tokens"]),
+            "key_held": key_held, "value_held": value_held, "found": bool(sample_score(text, [s["answer"]])),
+        })
+    return {"task": sample.task, "length": sample.length, "sample": sample.index,
+            "prompt_tokens": len(sample.input_ids), "generated": text, "answers": answers}
+
+
+def _whole(held: list[list[int]], tokens: int) -> bool:
+    """Every layer's every KV head holds all ``tokens`` of the span."""
+    return all(c == tokens for layer in held for c in layer)
+
+
+def summarize_answers(records: Sequence[dict]) -> dict:
+    """Over every answer of ``records``: how many there are and were found; how many had their value
+    (and their key) held whole by every layer and KV head; the share of heads holding the whole value;
+    found among the answers held whole and among those evicted somewhere; per layer, the share of
+    (answer, head) pairs holding the whole value."""
+    answers = [a for r in records for a in r["answers"]]
+    whole = [a for a in answers if _whole(a["value_held"], a["value_tokens"])]
+    cut = [a for a in answers if not _whole(a["value_held"], a["value_tokens"])]
+    pairs = [(c, a["value_tokens"]) for a in answers for layer in a["value_held"] for c in layer]
+    layers = len(answers[0]["value_held"]) if answers else 0
+    per_layer = []
+    for i in range(layers):
+        heads = [c == a["value_tokens"] for a in answers for c in a["value_held"][i]]
+        per_layer.append(sum(heads) / len(heads))
+    return {
+        "answers": len(answers),
+        "found": sum(a["found"] for a in answers),
+        "value_whole": len(whole),
+        "key_and_value_whole": sum(_whole(a["key_held"], a["key_tokens"]) for a in whole),
+        "value_head_share": sum(c == k for c, k in pairs) / len(pairs) if pairs else None,
+        "found_when_whole": (sum(a["found"] for a in whole), len(whole)),
+        "found_when_cut": (sum(a["found"] for a in cut), len(cut)),
+        "value_whole_per_layer": per_layer,
+    }
+
+
+def run_ruler_needles(model, tokenizer, recipes: Sequence[str], budget: float | int | None, task, command: str = "") -> dict:
+    """Dump every recipe (shipped name or YAML path) at ``budget`` over the prompts of ``task`` (a
+    :class:`~evictlayers.eval.suite.RulerTask`: its tasks, lengths, samples, split, books and seed; its
+    tasks must all be ``niah_*``)."""
+    from evictlayers.eval.runner import resolve_recipe
+
+    others = [t for t in task.tasks if not t.startswith("niah")]
+    if others:
+        raise ValueError(f"needle dumps need tasks whose answers are needle values: {', '.join(others)} are not "
+                         "(--ruler-tasks); allowed: niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue, "
+                         "niah_multiquery")
+    samples = [s for length in task.lengths for name in task.tasks
+               for s in ruler_samples(tokenizer, name, length, task.samples, task.seed, task.chat, task.books,
+                                      task.max_new_tokens)]
+    records, summary = {}, {}
+    for recipe in recipes:
+        spec = resolve_recipe(recipe)
+        policy = spec.policy if spec.is_full else spec.policy.replace(budget=budget)
+        records[spec.name] = [dump_ruler_prompt(model, tokenizer, policy, s, task.chat) for s in samples]
+        summary[spec.name] = {"all": summarize_answers(records[spec.name])}
+        for name in task.tasks:
+            summary[spec.name][name] = summarize_answers([r for r in records[spec.name] if r["task"] == name])
+    return {
+        "command": command,
+        "settings": {"task": "ruler", "tasks": task.tasks, "lengths": task.lengths, "samples": task.samples,
+                     "split": task.split, "seed": task.seed, "chat": task.chat, "budget": budget},
+        "summary": summary,
+        "records": records,
+    }
+
+
+def profile(held: list[list[int]], tokens: int) -> str:
+    """One character per layer: ``#`` every KV head holds all ``tokens``, ``+`` some are held, ``.`` none."""
+    return "".join("#" if all(c == tokens for c in layer) else "+" if any(layer) else "." for layer in held)
+
+
+def markdown(payload: dict) -> str:
+    """The summary per recipe and task, the per-layer shares, then per prompt and answer what was held."""
+    s = payload["settings"]
+    split = f", {s['split']} split" if s["split"] else f", seed {s['seed']}"
+    lines = [
+        f"# RULER needle dump ({', '.join(s['tasks'])}; {s['samples']} prompts per task and length, lengths "
+        f"{', '.join(map(str, s['lengths']))}{split}, budget {s['budget']})",
+        "",
+        "Per recipe and task, over the answers: found in the greedy answer; value held whole by every layer and "
+        "KV head after the prompt (and its key too); the share of heads holding the whole value; found among the "
+        f"answers held whole and among those evicted from some head. Rerun: `{payload['command']}`.",
+        "",
+        "| recipe | task | found | value whole everywhere | key too | heads with the whole value | found when whole | found when cut |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def ratio(pair):
+        return f"{pair[0]}/{pair[1]}" if pair[1] else "-"
+
+    for name, by_task in payload["summary"].items():
+        for task, r in by_task.items():
+            share = "-" if r["value_head_share"] is None else f"{100 * r['value_head_share']:.0f}%"
+            lines.append(
+                f"| {name} | {task} | {r['found']}/{r['answers']} | {r['value_whole']}/{r['answers']} "
+                f"| {r['key_and_value_whole']}/{r['answers']} | {share} | {ratio(r['found_when_whole'])} "
+                f"| {ratio(r['found_when_cut'])} |"
+            )
+    lines += ["", "Whole-value share per layer, % (layer 0 first):", ""]
+    for name, by_task in payload["summary"].items():
+        lines.append(f"- `{name}`: " + " ".join(f"{round(100 * x)}" for x in by_task["all"]["value_whole_per_layer"]))
+    lines += ["", "Per prompt and answer, one character per layer (layer 0 first) for the value and for the key: `#` "
+              "every KV head holds all its tokens, `+` some are held, `.` none; the answer found (+) or not (-):", ""]
+    for name, records in payload["records"].items():
+        lines += [f"`{name}`:", ""]
+        for r in records:
+            lines.append(f"- {r['task']} {r['length']} #{r['sample']}: {r['generated'].strip()[:40]!r}")
+            for a in r["answers"]:
+                lines.append(f"  - {'+' if a['found'] else '-'} {a['answer']} (depth {a['depth']:.2f}, {a['value_tokens']} "
+                             f"tokens): value `{profile(a['value_held'], a['value_tokens'])}` key "
+                             f"`{profile(a['key_held'], a['key_tokens'])}`")
+        lines.append("")
+    return "\n".join(lines)
