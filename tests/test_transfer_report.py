@@ -139,7 +139,7 @@ def test_command_draws_one_row_of_panels_per_model(tmp_path):
 
 def test_the_recipe_chosen_is_the_best_on_the_tuning_split():
     lines = transfer_section(merge(_model("m")))
-    assert "Chosen on the tuning split (its best evicting recipe per budget; ties named): 20%: `A` (75.0)." in lines
+    assert "Best on the tuning split by RULER score alone (its best evicting recipe per budget; ties named): 20%: `A` (75.0)." in lines
 
 
 def test_the_report_says_how_the_runs_were_made():

@@ -204,7 +204,7 @@ def _model_lines(model: str, data: dict, setting: str) -> list[str]:
         cells += [_fmt(mean_score(run, setting)), _by_length(run, setting), "-" if gap is None else f"{gap[0]:+.1f} ({gap[1]})",
                   "-" if ppl_t is None else f"{ppl_t:+.1%}", "-" if ppl is None else f"{ppl:+.1%}"]
         out.append("| " + " | ".join(cells) + " |")
-    out += ["", "Chosen on the tuning split (its best evicting recipe per budget; ties named): "
+    out += ["", "Best on the tuning split by RULER score alone (its best evicting recipe per budget; ties named): "
             + ("; ".join(_chosen(tuning, setting)) or "no evicting recipe ran on it") + ".", ""]
     budgets = _budgets(held)
     out += ["Best recipe per held-out task and budget, from held-out scores only (ties named; `all`: every "
