@@ -71,7 +71,8 @@ class Windowed(ScoreAccumulator):
     the most attention any one of the last ``rows`` queries gave token ``j``. A sum over a window lets
     the rows that agree outvote the one row that singles a token out; with several needles asked at
     once, each is singled out by a different token of the question (the key it names), so a token one
-    row attends to strongly keeps its place however the other rows spread theirs.
+    row attends to strongly keeps its place however the other rows spread theirs. Measured on RULER's
+    tuning split it did worse than the last query alone (docs/benchmarks.md, the fourth search round).
     """
 
     param_names = ("rows", "reduce")
