@@ -200,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--length", type=_positive, default=None, help="prompt length in tokens (1000)")
     group.add_argument("--depths", type=_positive, default=None, help="prompts at evenly spaced key depths (8)")
     group = nd.add_argument_group("ruler (query-aware; the chat template where the tokenizer has one)")
-    group.add_argument("--ruler-tasks", nargs="+", choices=[t for t in RULER_TASKS if t.startswith("niah")],
+    group.add_argument("--ruler-tasks", nargs="+", choices=[t for t, spec in RULER_TASKS.items() if spec.family == "niah"],
                        default=None, metavar="NAME", help="niah_* tasks (default: every one the split holds)")
     group.add_argument("--ruler-samples", type=_positive, default=None, help="prompts per task and length (2)")
     group.add_argument("--lengths", type=_positive, nargs="+", default=None, help="context lengths in tokens (1024)")
@@ -381,7 +381,7 @@ def _cmd_needles(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     try:
         if args.task == "ruler":
             # default: every needle task (of the split's families, with --split)
-            niah = [t for t in (SPLITS[args.split].tasks if args.split else RULER_TASKS) if t.startswith("niah")]
+            niah = [t for t in (SPLITS[args.split].tasks if args.split else RULER_TASKS) if RULER_TASKS[t].family == "niah"]
             task = RulerTask(tokenizer, tasks=args.ruler_tasks or niah, lengths=args.lengths or [1024],
                              samples=args.ruler_samples or 2, seed=args.seed, max_new_tokens=args.max_new_tokens or 64,
                              data=args.data, split=args.split)

@@ -46,24 +46,36 @@ def held_key_tokens(cache, key_tokens: Sequence[int]) -> list[list[int]]:
     return counts
 
 
+def prefill_then_greedy(model, policy: el.Policy, ids: torch.Tensor, max_new_tokens: int, after_prefill,
+                        eos: int | None = None):
+    """``(generated token ids, after_prefill(cache))``: prefill ``ids`` ``[1, n]`` under ``policy``, read the
+    cache with ``after_prefill`` before any token is generated, then decode greedily from it (at most
+    ``max_new_tokens``, stopping after ``eos`` if given)."""
+    generated = []
+    with torch.inference_mode(), el.apply(model, policy) as run:
+        cache = run.new_cache()
+        logits = model(input_ids=ids, past_key_values=cache).logits
+        read = after_prefill(cache)
+        length = ids.shape[1]
+        for _ in range(max_new_tokens):
+            token = logits[:, -1:].argmax(-1)
+            generated.append(int(token))
+            if int(token) == eos:
+                break
+            length += 1
+            mask = torch.ones(1, length, dtype=torch.long)
+            logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits
+    return generated, read
+
+
 def dump_prompt(model, tokenizer, policy: el.Policy, row: dict, max_new_tokens: int = 8) -> dict:
     """One prompt under ``policy``: key tokens held per layer and head after the prompt, and the answer."""
     from evictlayers.eval.tasks.passkey import score_passkey
 
     key_tokens = key_token_indices(tokenizer, row["text"], row["answer"])
     ids = tokenizer(row["text"], return_tensors="pt")["input_ids"]
-    generated = []
-    with torch.inference_mode(), el.apply(model, policy) as run:
-        cache = run.new_cache()
-        logits = model(input_ids=ids, past_key_values=cache).logits
-        held = held_key_tokens(cache, key_tokens)
-        length = ids.shape[1]
-        for _ in range(max_new_tokens):
-            token = logits[:, -1:].argmax(-1)
-            generated.append(int(token))
-            length += 1
-            mask = torch.ones(1, length, dtype=torch.long)
-            logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits
+    generated, held = prefill_then_greedy(model, policy, ids, max_new_tokens,
+                                          lambda cache: held_key_tokens(cache, key_tokens))
     text = tokenizer.decode(generated, skip_special_tokens=True)
     return {
         "depth": row["depth"], "answer": row["answer"], "generated": text,

@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import torch
 
 import evictlayers as el
-from evictlayers.eval.needles import held_key_tokens
-from evictlayers.eval.tasks.ruler import ruler_samples, sample_score
+from evictlayers.eval.needles import held_key_tokens, prefill_then_greedy
+from evictlayers.eval.tasks.ruler import TASKS, ruler_samples, sample_score
 
 __all__ = ["NEEDLE_PATTERN", "dump_ruler_prompt", "markdown", "needle_spans", "profile", "run_ruler_needles", "summarize_answers"]
 
@@ -66,22 +66,11 @@ def dump_ruler_prompt(model, tokenizer, policy: el.Policy, sample, chat: bool) -
     head after the prompt, and whether the greedy answer (at most the sample's ``max_new_tokens``,
     stopping at the end-of-sequence token) contains it."""
     spans = needle_spans(tokenizer, sample.text, sample.input_ids, sample.answers, chat)
-    ids = torch.tensor([list(sample.input_ids)])
-    eos = tokenizer.eos_token_id
-    generated = []
-    with torch.inference_mode(), el.apply(model, policy) as run:
-        cache = run.new_cache()
-        logits = model(input_ids=ids, past_key_values=cache).logits
-        held = [(held_key_tokens(cache, s["key_tokens"]), held_key_tokens(cache, s["value_tokens"])) for s in spans]
-        length = ids.shape[1]
-        for _ in range(sample.max_new_tokens):
-            token = logits[:, -1:].argmax(-1)
-            generated.append(int(token))
-            if int(token) == eos:
-                break
-            length += 1
-            mask = torch.ones(1, length, dtype=torch.long)
-            logits = model(input_ids=token, attention_mask=mask, past_key_values=cache).logits
+    generated, held = prefill_then_greedy(
+        model, policy, torch.tensor([list(sample.input_ids)]), sample.max_new_tokens,
+        lambda cache: [(held_key_tokens(cache, s["key_tokens"]), held_key_tokens(cache, s["value_tokens"])) for s in spans],
+        eos=tokenizer.eos_token_id,
+    )
     text = tokenizer.decode(generated, skip_special_tokens=True)
     answers = []
     for s, (key_held, value_held) in zip(spans, held):
@@ -105,8 +94,9 @@ def summarize_answers(records: Sequence[dict]) -> dict:
     found among the answers held whole and among those evicted somewhere; per layer, the share of
     (answer, head) pairs holding the whole value."""
     answers = [a for r in records for a in r["answers"]]
-    whole = [a for a in answers if _whole(a["value_held"], a["value_tokens"])]
-    cut = [a for a in answers if not _whole(a["value_held"], a["value_tokens"])]
+    whole, cut = [], []
+    for a in answers:
+        (whole if _whole(a["value_held"], a["value_tokens"]) else cut).append(a)
     pairs = [(c, a["value_tokens"]) for a in answers for layer in a["value_held"] for c in layer]
     layers = len(answers[0]["value_held"]) if answers else 0
     per_layer = []
@@ -131,7 +121,7 @@ def run_ruler_needles(model, tokenizer, recipes: Sequence[str], budget: float | 
     tasks must all be ``niah_*``)."""
     from evictlayers.eval.runner import resolve_recipe
 
-    others = [t for t in task.tasks if not t.startswith("niah")]
+    others = [t for t in task.tasks if TASKS[t].family != "niah"]
     if others:
         raise ValueError(f"needle dumps need tasks whose answers are needle values: {', '.join(others)} are not "
                          "(--ruler-tasks); allowed: niah_single_1/2/3, niah_multikey_1/2/3, niah_multivalue, "
