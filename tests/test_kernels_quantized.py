@@ -111,9 +111,9 @@ def test_cpu_never_dequantises_more_than_a_block(monkeypatch, block_bytes, block
     real = quantized_cpu._unpacked
 
     def spy(*args):
-        block = real(*args)
-        lengths.append(block.shape[2])
-        return block
+        parts = real(*args)
+        lengths.append(parts[0].shape[2])
+        return parts
 
     monkeypatch.setattr(quantized_cpu, "_unpacked", spy)
     inputs = quantized_inputs(3, 203, 4)

@@ -163,20 +163,26 @@ def test_write_then_dense_round_trip():
     _check(storage, keys, values, exact)
 
 
-def test_a_token_is_held_once_dense_then_as_codes():
+@pytest.mark.parametrize("value_dim", [D, D // 2])
+def test_a_token_is_held_once_dense_then_as_codes(value_dim):
     """KIVI's residual: a real token enters the ring and is not quantised meanwhile; once the ring is full,
     the next real token ages the oldest out, which is then quantised, once, into its own slot (what a
-    one-shot quantisation of it gives)."""
-    storage = QuantizedKV(bits=4, group=16, residual=2).allocate(B, H, 4, D, D, torch.float32, "cpu")
+    one-shot quantisation of it gives: its key divided by the channel normalisation). Keys and values of
+    the same width are quantised in one call, of different widths in two: both give the one-shot codes."""
+    storage = QuantizedKV(bits=4, group=16, residual=2).allocate(B, H, 4, D, value_dim, torch.float32, "cpu")
+    channel = torch.ones(B, H, 1, D)
+    channel[..., [5, 37]] = 32.0
+    storage.key_channel_scale = channel  # what from_dense sets for these outlier channels
     keys = _keys(3, seed=7)
+    values = -keys[..., :value_dim]
     for t in range(2):
-        storage.write(torch.full((B, H), t), keys[:, :, t], -keys[:, :, t], torch.full((B, H), t))
+        storage.write(torch.full((B, H), t), keys[:, :, t], values[:, :, t], torch.full((B, H), t))
     assert not storage.key_codes[:, :, :2].any() and not storage.value_codes[:, :, :2].any()
-    storage.write(torch.full((B, H), 2), keys[:, :, 2], -keys[:, :, 2], torch.full((B, H), 2))
+    storage.write(torch.full((B, H), 2), keys[:, :, 2], values[:, :, 2], torch.full((B, H), 2))
     held = (storage.key_codes, storage.key_scale, storage.key_zero, storage.value_codes, storage.value_scale,
             storage.value_zero)
-    one_shot = (*quantize_groups(keys[:, :, :1], 4, 16, -1, torch.bfloat16),
-                *quantize_groups(-keys[:, :, :1], 4, 16, -1, torch.bfloat16))
+    one_shot = (*quantize_groups(keys[:, :, :1] / channel, 4, 16, -1, torch.bfloat16),
+                *quantize_groups(values[:, :, :1], 4, 16, -1, torch.bfloat16))
     for got, want in zip(held, one_shot, strict=True):
         assert torch.equal(got[:, :, :1], want)
     assert not storage.key_codes[:, :, 1:3].any()  # tokens 1 and 2: still dense only

@@ -281,11 +281,18 @@ class QuantizedSlots:
 
     def _put_codes(self, rows, cols, slot: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Quantise one token per head (``key`` ``[B, H, D]``, ``value`` ``[B, H, Dv]``) into ``slot`` ``[B, H]``."""
-        for buffer, new in zip(
-            (self.key_codes, self.key_scale, self.key_zero, self.value_codes, self.value_scale, self.value_zero),
-            (*self._quantize_keys(key[:, :, None]), *self._quantize(value[:, :, None])),
+        if key.shape[-1] == value.shape[-1]:
+            # key and value as two rows of one call: a decode step's token is a few dozen elements, so the
+            # quantisation's ~25 ops cost their calls, not their bytes
+            both = torch.stack([key.float() / self.key_channel_scale[:, :, 0], value.float()], 2)
+            quantized = [part.unbind(2) for part in self._quantize(both)]  # (codes, scale, zero) x (key, value)
+            new = [quantized[i][which] for which in (0, 1) for i in range(3)]
+        else:
+            new = [part[:, :, 0] for part in (*self._quantize_keys(key[:, :, None]), *self._quantize(value[:, :, None]))]
+        for buffer, row in zip(
+            (self.key_codes, self.key_scale, self.key_zero, self.value_codes, self.value_scale, self.value_zero), new
         ):
-            buffer.index_put_((rows, cols, slot), new[:, :, 0])
+            buffer.index_put_((rows, cols, slot), row)
 
     def _ring_as_codes(self) -> dict[str, torch.Tensor]:
         """The slot tensors (``_SLOTS``) with every ring token quantised into its slot, out of place."""
