@@ -24,14 +24,15 @@ def keynorm_scores(keys: torch.Tensor, held: list[int]) -> dict[int, float]:
     return {j: -float(keys[j].norm()) for j in held}
 
 
-def pooled(scores: dict[int, float], width: int, reduce: str) -> dict[int, float]:
+def pooled(scores: dict[int, float], width: int, reduce: str, side: str = "both") -> dict[int, float]:
     """Each held token's score replaced by the mean/max over the ``width`` held tokens around it in
-    position order (fewer at the ends)."""
+    position order (``side="both"``), or over it and the ``width - 1`` held tokens before it
+    (``"before"``); fewer at the ends."""
     order = sorted(scores)
-    half = width // 2
+    before, after = (width - 1, 0) if side == "before" else (width // 2, width // 2)
     out = {}
     for i, j in enumerate(order):
-        window = [scores[order[m]] for m in range(max(0, i - half), min(len(order), i + half + 1))]
+        window = [scores[order[m]] for m in range(max(0, i - before), min(len(order), i + after + 1))]
         out[j] = max(window) if reduce == "max" else sum(window) / len(window)
     return out
 

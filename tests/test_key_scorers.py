@@ -83,13 +83,14 @@ def test_keynorm_near_equal_norms_evict_the_oldest():
     assert sorted(store.pos[0, 0][store.pos[0, 0] >= 0].tolist()) == [1, 2, 3]  # the exact rule would drop 1
 
 
-@pytest.mark.parametrize("reduce", ["mean", "max"])
-def test_pooled_selection_matches_reference(reduce):
+@pytest.mark.parametrize("reduce,side,width", [("mean", "both", 5), ("max", "both", 5), ("mean", "before", 4),
+                                               ("max", "before", 6)])
+def test_pooled_selection_matches_reference(reduce, side, width):
     torch.manual_seed(5)
     keys = torch.randn(1, 36, 8) * 2
-    policy = el.Policy(el.HeavyHitterSelector(el.KeyNorm(), pool=5, pool_reduce=reduce), budget=10)
-    _, history = _drive(policy, keys, prompt=24)
-    keep = _lowest_out(lambda held: pooled(keynorm_scores(keys[0], held), 5, reduce))
+    selector = el.HeavyHitterSelector(el.KeyNorm(), pool=width, pool_reduce=reduce, pool_side=side)
+    _, history = _drive(el.Policy(selector, budget=10), keys, prompt=24)
+    keep = _lowest_out(lambda held: pooled(keynorm_scores(keys[0], held), width, reduce, side))
     assert [h[0] for h in history] == run_reference(keys[0], 24, 10, keep)
 
 
@@ -102,6 +103,18 @@ def test_pooling_keeps_a_multi_token_needle_whole():
     pooled_set = _drive(el.Policy(el.HeavyHitterSelector(el.KeyNorm(), pool=3), budget=6), keys, prompt=40)[1][-1][0]
     assert {15, 17} <= unpooled and 16 not in unpooled
     assert {15, 16, 17} <= pooled_set
+
+
+def test_pooling_before_carries_a_score_forward_only():
+    """One token with a small key norm (KeyNorm keeps those) among equal filler: pooled over it and the
+    two tokens before, its score lifts the two tokens after it, not the ones before (a centred window
+    lifts both sides)."""
+    keys = torch.ones(1, 40, 4)
+    keys[0, 20] = torch.tensor([0.1, 0, 0, 0])
+    def kept(**pool):
+        return _drive(el.Policy(el.HeavyHitterSelector(el.KeyNorm(), **pool), budget=3), keys, prompt=40)[1][-1][0]
+    assert kept(pool=3, pool_reduce="max", pool_side="before") == {20, 21, 22}
+    assert kept(pool=3, pool_reduce="max") == {19, 20, 21}
 
 
 def _chunk_sums(scores: dict[int, float], chunk: int) -> dict[int, float]:
@@ -202,7 +215,8 @@ def test_shared_budget_round_trips_through_yaml(tmp_path):
     "kwargs,message",
     [
         ({"pool": 4}, "odd int >= 3"),
-        ({"pool": 0}, "odd int >= 3"),
+        ({"pool": 0}, "int >= 1"),
+        ({"pool_side": "after"}, "pool_side='after'"),
         ({"pool_reduce": "median"}, "pool_reduce='median'"),
         ({"scope": "row"}, "scope='row'"),
         ({"share": 1.5}, "float in (0, 1)"),

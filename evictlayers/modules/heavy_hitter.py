@@ -42,6 +42,9 @@ class HeavyHitterSelector(Selector):
       al. 2024, arXiv:2404.14469, Sec. 4.2 "clustering via pooling", kernel 5-7), so a multi-token
       needle is kept whole rather than in fragments. Neighbours are the *held* tokens (at prefill, the
       whole prompt, as in SnapKV; later the survivors), and the state itself stays unpooled.
+      ``pool_side="before"`` (any ``w >= 2``) pools over the token and the ``w - 1`` held tokens before
+      it instead, so a high score carries forward only, onto the tokens that follow it (a needle's key,
+      which the question names, onto the value after it). Not in SnapKV: our variant.
     - ``chunk=c`` (>= 2): before ranking, each slot's score becomes the sum of the scores of the held
       tokens in its chunk, the ``c`` consecutive positions ``[k c, (k + 1) c)`` it falls in (ChunkKV, Liu
       et al. 2025, arXiv:2502.00299, Sec. 3.1: chunk score = summed observation-window attention of its
@@ -56,8 +59,9 @@ class HeavyHitterSelector(Selector):
       selectors (see ``Policy``); ``None`` (the default) for a policy's only selector.
     """
 
-    param_names = ("accumulator", "transform", "prior", "pool", "pool_reduce", "chunk", "scope", "share")
+    param_names = ("accumulator", "transform", "prior", "pool", "pool_reduce", "pool_side", "chunk", "scope", "share")
     POOL_REDUCTIONS = ("mean", "max")
+    POOL_SIDES = ("both", "before")
     SCOPES = ("head", "layer")
 
     def __init__(
@@ -67,6 +71,7 @@ class HeavyHitterSelector(Selector):
         prior: ScorePrior | None = None,
         pool: int = 1,
         pool_reduce: str = "mean",
+        pool_side: str = "both",
         chunk: int = 1,
         scope: str = "head",
         share: float | None = None,
@@ -93,21 +98,29 @@ class HeavyHitterSelector(Selector):
             clash = set(accumulator.state_specs) & set(prior.state_specs)
             if clash:
                 raise ValueError(f"HeavyHitterSelector: accumulator and prior both name state {sorted(clash)}")
-        self._check_options(pool, pool_reduce, scope, share)
+        self._check_options(pool, pool_reduce, pool_side, scope, share)
         if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
             raise ValueError(f"HeavyHitterSelector(chunk={chunk!r}): the chunk length must be an int >= 1 "
                              "(1: no chunks; ChunkKV uses 10)")
         self.accumulator = accumulator
         self.transform = transform
         self.prior = prior
-        self.pool, self.pool_reduce, self.chunk, self.scope, self.share = pool, pool_reduce, chunk, scope, share
+        self.pool, self.pool_reduce, self.pool_side = pool, pool_reduce, pool_side
+        self.chunk, self.scope, self.share = chunk, scope, share
 
     @classmethod
-    def _check_options(cls, pool: Any, pool_reduce: Any, scope: Any, share: Any) -> None:
-        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1 or (pool > 1 and pool % 2 == 0):
+    def _check_options(cls, pool: Any, pool_reduce: Any, pool_side: Any, scope: Any, share: Any) -> None:
+        if pool_side not in cls.POOL_SIDES:
             raise ValueError(
-                f"HeavyHitterSelector(pool={pool!r}): the pooling width must be 1 (no pooling) or an odd int "
-                ">= 3 (a window centred on each token; SnapKV uses 5-7)"
+                f"HeavyHitterSelector(pool_side={pool_side!r}): expected 'both' (the window centred on each "
+                "token) or 'before' (the token and those before it)"
+            )
+        if isinstance(pool, bool) or not isinstance(pool, int) or pool < 1:
+            raise ValueError(f"HeavyHitterSelector(pool={pool!r}): the pooling width must be an int >= 1 (1: no pooling)")
+        if pool_side == "both" and pool > 1 and pool % 2 == 0:
+            raise ValueError(
+                f"HeavyHitterSelector(pool={pool!r}): with pool_side='both' the pooling width must be 1 (no "
+                "pooling) or an odd int >= 3 (a window centred on each token; SnapKV uses 5-7)"
             )
         if pool_reduce not in cls.POOL_REDUCTIONS:
             raise ValueError(f"HeavyHitterSelector(pool_reduce={pool_reduce!r}): expected one of {cls.POOL_REDUCTIONS}")
@@ -122,8 +135,8 @@ class HeavyHitterSelector(Selector):
                 "selector fills beside other selectors, a float in (0, 1); leave it None for a policy's only selector"
             )
 
-    DEFAULTS = {"transform": None, "prior": None, "pool": 1, "pool_reduce": "mean", "chunk": 1, "scope": "head",
-                "share": None}
+    DEFAULTS = {"transform": None, "prior": None, "pool": 1, "pool_reduce": "mean", "pool_side": "both", "chunk": 1,
+                "scope": "head", "share": None}
 
     def params(self) -> dict[str, Any]:
         # options appear only when they differ from the default, so an H2O selector dumps as it always did
@@ -178,7 +191,7 @@ class HeavyHitterSelector(Selector):
         if self.prior is not None:
             score = score * self.prior.weight(state, view)
         if self.pool > 1:
-            score = pool_by_position(score, view.pos, self.pool, self.pool_reduce)
+            score = pool_by_position(score, view.pos, self.pool, self.pool_reduce, self.pool_side)
         if self.chunk > 1:
             score = sum_by_chunk(score, view.pos, self.chunk)
         if self.scope == "layer":
@@ -188,9 +201,11 @@ class HeavyHitterSelector(Selector):
         return score
 
 
-def pool_by_position(score: torch.Tensor, pos: torch.Tensor, width: int, reduce: str) -> torch.Tensor:
+def pool_by_position(score: torch.Tensor, pos: torch.Tensor, width: int, reduce: str, side: str = "both") -> torch.Tensor:
     """``score`` ``[B, H, N]`` pooled over each slot's ``width`` neighbours among the held slots in
     position order (``pos`` ``[B, H, N]``, ``-1`` = empty); empty slots neither give nor get a value.
+    ``side="both"``: the window centred on the slot (``width`` odd); ``"before"``: the slot and the
+    ``width - 1`` held slots before it.
 
     Fixed-shape (a sort of the slot axis, a 1-d pooling, the inverse permutation), so it runs inside the
     compiled decode step."""
@@ -199,12 +214,14 @@ def pool_by_position(score: torch.Tensor, pos: torch.Tensor, width: int, reduce:
     order = pos.masked_fill(~held, LAST).argsort(-1)  # held slots first, by position
     ranked = score.gather(-1, order).reshape(batch * heads, 1, n_slots)
     ranked_held = held.gather(-1, order).reshape(batch * heads, 1, n_slots)
+    # the window's reach before and after each slot; edges are padded with slots that hold nothing
+    before, after = (width - 1, 0) if side == "before" else (width // 2, width // 2)
     if reduce == "max":
-        pooled = F.max_pool1d(ranked.masked_fill(~ranked_held, -math.inf), width, stride=1, padding=width // 2)
+        pooled = F.max_pool1d(F.pad(ranked.masked_fill(~ranked_held, -math.inf), (before, after), value=-math.inf),
+                              width, stride=1)
     else:
-        weight = ranked_held.float()
-        total = F.avg_pool1d(ranked.masked_fill(~ranked_held, 0.0), width, stride=1, padding=width // 2)
-        count = F.avg_pool1d(weight, width, stride=1, padding=width // 2)
+        total, count = (F.avg_pool1d(F.pad(x, (before, after)), width, stride=1)
+                        for x in (ranked.masked_fill(~ranked_held, 0.0), ranked_held.float()))
         pooled = total / count.clamp(min=1e-12)
     pooled = pooled.reshape(batch, heads, n_slots)
     return torch.empty_like(pooled).scatter_(-1, order, pooled).masked_fill(~held, 0.0)
