@@ -5,6 +5,8 @@ blocks, GQA 1-4, padding rows, empty slots, sliding window, softcap, score gain,
 another size, no residual), with every buffer ``torch.empty`` hands out poisoned with NaN. The Triton
 backend is checked on the interpreter in test_kernels_triton.py."""
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -99,27 +101,45 @@ def test_cpu_matches_naive(case, block_bytes, monkeypatch):
     assert (got.out[1] == 0).all()
 
 
-@pytest.mark.parametrize("block_bytes,blocks", [(None, 1), (100_000, 4), (30_000, 8)])
+@pytest.mark.parametrize("block_bytes,blocks", [(None, 1), (100_000, 4), (30_000, 11), (10_000, 16)])
 def test_cpu_never_dequantises_more_than_a_block(monkeypatch, block_bytes, blocks):
     """The point of the backend: no dense copy of the code slots beyond a bounded block. Eager, the keys of
     batch 3, 2 KV heads, 203 slots and 64 channels take 3 * 2 * 203 * 64 * 4 = 311,808 float32 bytes:
-    one block under the default 768 KiB, ceil(311,808 / 100,000) = 4 blocks of at most 51 slots, and no
-    more than ``EAGER_MAX_BLOCKS`` (8, of at most 26 slots) however small the allowance."""
+    one block under the default 2 MiB, ceil(311,808 / 100,000) = 4 blocks of at most 51 slots, 11 of at
+    most 19 under 30,000, and no more than ``EAGER_MAX_BLOCKS`` (16, of at most 13 slots) however small
+    the allowance."""
     if block_bytes is not None:
         monkeypatch.setattr(quantized_cpu, "EAGER_BLOCK_BYTES", block_bytes)
     lengths = []
     real = quantized_cpu._unpacked
 
     def spy(*args):
-        parts = real(*args)
-        lengths.append(parts[0].shape[2])
-        return parts
+        block = real(*args)
+        lengths.append(block.shape[2])
+        return block
 
     monkeypatch.setattr(quantized_cpu, "_unpacked", spy)
     inputs = quantized_inputs(3, 203, 4)
     quantized_decode_attention_with_mass_cpu(*inputs, **options(64))
     assert len(lengths) == 2 * blocks  # keys, then values
     assert sum(lengths) == 2 * 203 and max(lengths) == -(-203 // blocks)
+
+
+def test_cpu_eager_scratch_buffers_are_per_thread():
+    """Eager, the blocks are unpacked into buffers kept between calls: two threads decoding different
+    caches at once (and each switching between a large and a small one) still match the reference."""
+    cases = [quantized_inputs(seed, n_codes, 4) for seed, n_codes in ((1, 300), (2, 37), (3, 150), (4, 61))]
+    want = [quantized_decode_attention_with_mass(*inputs, **options(64)) for inputs in cases]
+
+    def decode(order):
+        torch.set_num_threads(1)
+        return [(i, quantized_decode_attention_with_mass_cpu(*cases[i], **options(64))) for _ in range(20) for i in order]
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(decode, [(0, 1), (2, 3)]))
+    for run in runs:
+        for i, got in run:
+            assert_matches(got, want[i], atol=1e-5, mass_atol=1e-6)
 
 
 def test_cpu_compiles_into_one_graph_for_every_slot_count():

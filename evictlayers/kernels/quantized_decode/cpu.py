@@ -23,17 +23,11 @@ How a block is unpacked, and why:
 - The nibbles are split in float: with ``x`` a byte's value, its high nibble is ``floor(x / 16)`` and its
   low one ``x - 16 * floor(x / 16)``, written as one broadcast expression over the two halves so
   inductor fuses split, scale and zero point into one pass over the block (a ``cat`` of the halves was
-  materialised first and cost another pass). Eager (not compiling), each op is its own pass whatever
-  the arithmetic, and ATen's vectorised ``& 15`` and ``>> 4`` on the bytes take fewer of them; with the
-  scale and zero point spread over their runs before one ``addcmul`` (below), the eager kernel ran
-  1.8x (300 slots) and 2.5x (1,600 slots) faster than through the float split (one thread, batch 3,
-  3 KV heads, ``python`` timing loop, four blocks; eager block counts below).
-- Eager int4 keeps the two halves apart: each is unpacked into its own ``[B, H, n, D / 2]`` buffer (one
-  ``addcmul`` with the scale and zero point spread to the bytes' width, no broadcast) and gets its own
-  matmul, the query's halves against the keys', the values' halves side by side. Broadcasting the scale
-  over a ``[n, 2, D / 2]`` stack made ATen's ``addcmul`` twice as slow as over a plain matrix; the split
-  block (unpack and QK^T) took 0.8x the time of the stacked one at 107 and 320 slots (batch 8, 3 KV heads,
-  ``python`` timing loop, medians of 5 interleaved rounds).
+  materialised first and cost another pass).
+- Eager (not compiling), each op is its own pass whatever the arithmetic, and ATen's vectorised ``& 15``
+  and ``>> 4`` on the bytes take fewer of them than the float split. Each nibble half is written into
+  its columns of the block (one conversion, one ``addcmul``), with the scale and zero point spread to
+  the bytes' width first: no operand is broadcast, which made ATen's ``addcmul`` twice as slow.
 - int4 bytes are not interleaved back into channel order: a block is dequantised as ``[n, 2, D / 2]``
   (low nibbles, the even channels, then high nibbles, the odd ones), and the query's channels are
   permuted to match (the output's permuted back), since a dot product does not depend on the channel
@@ -49,12 +43,16 @@ How a block is unpacked, and why:
 - Compiled, ``SLOT_BLOCKS`` is 4: each block costs an op call and matmul calls (~20 us of overhead), which
   at small caches (4k-token prompt, batch 1) outweighed keeping a block in L2; 8k-token prompts at batch 8
   timed the same with 2, 4 or 8 blocks, 16 and 32 were slower.
-- Eager, a block's ~15 ATen calls cost ~100 us whatever its size, so the count follows the cache instead:
-  as many blocks as keep each block's float32 buffer under ``EAGER_BLOCK_BYTES`` (768 KiB), at most
-  ``EAGER_MAX_BLOCKS``; a cache that small is one block. Same-run kernel timings (one thread, 3 KV heads,
-  ``D = 64``, group 32), 1/2/4 blocks: 0.33 MiB of dense keys 0.81/1.05/1.48 ms, 0.66 MiB 1.80/2.08/3.17 ms;
-  2 MiB 8.7/5.7/3.7 ms (a buffer over ~1 MiB cost several times its size: fresh pages each call); 8, 16
-  blocks at 12 MiB 13.6/15.0 ms against 15.4 ms for 4.
+- Eager, a block is unpacked into buffers this thread keeps between calls (``_scratch``): a fresh
+  block-sized tensor each call cost page faults, several times its size over ~1 MiB. With them, a
+  block's ~12 ATen calls cost ~50-100 us whatever its size, so the count follows the cache: as many
+  blocks as keep a block's float32 keys under ``EAGER_BLOCK_BYTES`` (2 MiB), at most
+  ``EAGER_MAX_BLOCKS``. QK^T alone at 1/2/3/6/12 blocks (batch 8, 3 KV heads, ``D = 64``, same run):
+  320 slots (1.9 MiB dense) 0.70/0.81/0.93/1.30/1.98 ms; 640 slots 1.50/1.38/1.48/1.81/2.46 ms; 1,600
+  slots 6.7/5.0/3.8/3.6/4.3 ms; 3,200 slots 13.8/13.5/12.7/8.4/7.5 ms. The whole op against the
+  allocating kernel before (768 KiB blocks, stacked halves): 0.68-0.82x its time at batch 8 and 160 to
+  3,200 slots, 0.83-1.08x at batch 1; a decode step of the embedded model (8 passkey prompts of 1,500
+  tokens, 20%, interleaved steps) 0.88x for ``h2o_int4``, 0.96x for ``scissorhands_int4``.
 - Tried and dropped: shifts and masks on an int32 or int16 view of the bytes inside the graph (the same
   integer loads, as slow); a float16/bfloat16 op output (ATen's uint8 -> float16 conversion is slow,
   bfloat16 no faster overall); scale and zero point kept out of the block by splitting the dot product
@@ -69,6 +67,9 @@ size.
 
 from __future__ import annotations
 
+import math
+import threading
+
 import torch
 
 from evictlayers.kernels.common import DecodeAttention, check_packed_inputs, no_mass, reduce_group
@@ -76,8 +77,8 @@ from evictlayers.kernels.decode.naive import slot_softmax
 from evictlayers.kernels.quantization import PackedKV
 
 SLOT_BLOCKS = 4  # compiled: blocks the code slots are unpacked in (each block's buffer is 1/4 of a dense copy)
-EAGER_BLOCK_BYTES = 3 << 18  # eager: the most float32 bytes one block's keys or values take (768 KiB)...
-EAGER_MAX_BLOCKS = 8  # ...in at most this many blocks (more cost more in calls than they save)
+EAGER_BLOCK_BYTES = 2 << 20  # eager: the most float32 bytes one block's keys or values take (2 MiB)...
+EAGER_MAX_BLOCKS = 16  # ...in at most this many blocks (more cost more in calls than they save)
 
 _LIB = torch.library.Library("evictlayers", "FRAGMENT")
 _LIB.define("codes_as_float(Tensor codes) -> Tensor")
@@ -127,24 +128,22 @@ def quantized_decode_attention_with_mass_cpu(
     else:
         dense_bytes = 4 * batch * kv_heads * n_codes * max(head_dim, residual_values.shape[-1])
         blocks = _blocks(n_codes, min(EAGER_MAX_BLOCKS, max(1, -(-dense_bytes // EAGER_BLOCK_BYTES))))
-    logits = []
-    for block in blocks:
-        # each part holds a run of channels in the codes' order: QK^T is the sum of the parts' products
-        parts = _unpacked(packed.key_codes, packed.key_scale, packed.key_zero, block, packed)
-        width = parts[0].shape[-1]
-        logits.append(sum(torch.matmul(permuted[..., i * width:(i + 1) * width], part.transpose(-1, -2))
-                          for i, part in enumerate(parts)))
+    logits = [
+        torch.matmul(permuted, _unpacked(packed.key_codes, packed.key_scale, packed.key_zero, block, packed)
+                     .transpose(-1, -2))
+        for block in blocks
+    ]
     logits.append(torch.matmul(grouped, residual_keys.float().transpose(-1, -2)))
     probs, lse, scores = slot_softmax(
         torch.cat(logits, -1) * scaling, query_pos, torch.cat([key_pos, residual_pos], 2),
         softcap=softcap, sliding_window=sliding_window, score_gain=score_gain, need_mass=need_mass,
     )
     coded = probs[..., :n_codes]
-    out = 0
-    for block in blocks:
-        block_probs = coded[..., block]  # sliced here: a comprehension closing over the symbolic slice recompiled per size
-        parts = _unpacked(packed.value_codes, packed.value_scale, packed.value_zero, block, packed)
-        out = out + _joined([torch.matmul(block_probs, part) for part in parts])
+    out = sum(
+        torch.matmul(coded[..., block], _unpacked(packed.value_codes, packed.value_scale, packed.value_zero, block,
+                                                  packed))
+        for block in blocks
+    )
     out = _channel_order(out, halves) + torch.matmul(probs[..., n_codes:], residual_values.float())
     mass = (
         reduce_group(scores, gqa_reduce) if need_mass
@@ -153,53 +152,66 @@ def quantized_decode_attention_with_mass_cpu(
     return DecodeAttention(out.reshape(batch, q_heads, -1).to(query.dtype), mass, lse.reshape(batch, q_heads))
 
 
-def _unpacked(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, block: slice,
-              packed: PackedKV) -> list[torch.Tensor]:
-    """``code * scale + zero`` (float32) of the slots ``block`` in the codes' channel order (int4: the low
-    nibbles, channels ``0, 2, 4, ..``, then the high ones), as parts that cover consecutive runs of it: one
-    ``[B, H, n, D]`` tensor, or eager int4 the two halves ``[B, H, n, D / 2]`` (module docstring)."""
+def _unpacked(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, block: slice, packed: PackedKV):
+    """``[B, H, n, D]`` float32 ``code * scale + zero`` of the slots ``block``, in the codes' channel order
+    (int4: the low nibbles, channels ``0, 2, 4, ..``, then the high ones). Eager, it lives in this thread's
+    scratch buffer: read it before the next call."""
     halves = 2 if packed.bits == 4 else 1
     per_byte = codes.shape[-1]
-    compiling = torch.compiler.is_compiling()
-    if halves == 2 and not compiling and packed.group % halves == 0:
-        # eager: one half per ATen pass, with the scale and zero point spread over each group's run of bytes
-        # (both halves of byte p are in group p // (group / 2)); broadcasting them over the halves instead
-        # cost ATen about twice the pass, and each half is a plain matrix for the matmuls
-        run = packed.group // halves
-        block_codes = codes[:, :, block]
-        spread_scale, spread_zero = (t[:, :, block].float().repeat_interleave(run, -1) for t in (scale, zero))
-        return [torch.addcmul(spread_zero, half.float(), spread_scale) for half in (block_codes & 15, block_codes >> 4)]
-    if halves == 2 and not compiling:
-        block_codes = codes[:, :, block]
-        values = torch.stack([block_codes & 15, block_codes >> 4], dim=-2).float()  # [B, H, n, 2, P]
-    else:
-        values = codes_as_float(codes[:, :, block])[:, :, :, None, :]  # [B, H, n, 1, P] each byte's value x
-        if halves == 2:
-            # [B, H, n, 2, P]: x - 16 * floor(x / 16) (low nibble), then floor(x / 16) (high nibble)
-            low, high = (torch.tensor(c, device=codes.device)[:, None] for c in ([1.0, 0.0], [-16.0, 1.0]))
-            values = values * low + torch.floor(values * 0.0625) * high
+    if not torch.compiler.is_compiling() and packed.group % halves == 0:
+        return _unpacked_eager(codes[:, :, block], scale[:, :, block], zero[:, :, block], halves,
+                               packed.group // halves)
+    values = codes_as_float(codes[:, :, block])[:, :, :, None, :]  # [B, H, n, 1, P] each byte's value x
+    if halves == 2:
+        # [B, H, n, 2, P]: x - 16 * floor(x / 16) (low nibble), then floor(x / 16) (high nibble)
+        low, high = (torch.tensor(c, device=codes.device)[:, None] for c in ([1.0, 0.0], [-16.0, 1.0]))
+        values = values * low + torch.floor(values * 0.0625) * high
     scale, zero = scale[:, :, block].float(), zero[:, :, block].float()  # [B, H, n, D / group]
     if packed.group % halves == 0:
         # element (half j, byte p) is channel halves * p + j, in group p // (group / halves) for either half:
         # each half is D / group runs of group / halves elements sharing a scale (a broadcast, no gather)
-        run = packed.group // halves
-        if not compiling:
-            # eager int8: scale and zero point spread over each group's run first (ATen took twice as long
-            # broadcasting over a short inner run)
-            return [torch.addcmul(zero.repeat_interleave(run, -1)[:, :, :, None, :], values,
-                                  scale.repeat_interleave(run, -1)[:, :, :, None, :]).flatten(-2)]
-        runs = values.unflatten(-1, (-1, run))  # [B, H, n, halves, D / group, run]
-        return [torch.addcmul(zero[:, :, :, None, :, None], runs, scale[:, :, :, None, :, None]).flatten(-3)]
+        runs = values.unflatten(-1, (-1, packed.group // halves))  # [B, H, n, halves, D / group, run]
+        return torch.addcmul(zero[:, :, :, None, :, None], runs, scale[:, :, :, None, :, None]).flatten(-3)
     # an odd group (int4 only): the halves of a byte may fall in different groups
     channel = halves * torch.arange(per_byte, device=codes.device) + torch.arange(halves, device=codes.device)[:, None]
     group = channel // packed.group  # [halves, P]
-    return [(values * scale[..., group] + zero[..., group]).flatten(-2)]
+    return (values * scale[..., group] + zero[..., group]).flatten(-2)
 
 
-def _joined(parts: list[torch.Tensor]) -> torch.Tensor:
-    """The parts concatenated along the channels; one part as it is (a ``cat`` of one tensor made dynamo
-    specialise on the block length, a graph per slot count)."""
-    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+def _unpacked_eager(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, halves: int,
+                    run: int) -> torch.Tensor:
+    """Eager: ``codes`` ``[B, H, n, P]`` with ``scale``/``zero`` ``[B, H, n, P / run]`` -> ``[B, H, n, halves *
+    P]`` float32 in a scratch buffer, the low nibbles' half then the high nibbles' (int4). Each half is one
+    ``addcmul`` written into its columns, with the scale and zero point spread to the bytes' width (both
+    nibbles of byte ``p`` are in group ``p // run``), so no operand is broadcast (module docstring)."""
+    batch, heads, n_slots, per_byte = codes.shape
+    unpacked = _scratch("unpacked", (batch, heads, n_slots, halves * per_byte), torch.float32, codes.device)
+    spread_scale, spread_zero = (_scratch(name, codes.shape, torch.float32, codes.device) for name in ("scale", "zero"))
+    for spread, values in ((spread_scale, scale), (spread_zero, zero)):
+        # to float32 first, then spread (ATen's 16-bit -> float32 copy with a broadcast took twice as long)
+        spread.view(*values.shape, run).copy_(values.float()[..., None].expand(*values.shape, run))
+    nibbles = _scratch("nibbles", codes.shape, torch.uint8, codes.device) if halves == 2 else codes
+    for half in range(halves):
+        if halves == 2 and half == 0:
+            torch.bitwise_and(codes, 15, out=nibbles)
+        elif halves == 2:
+            torch.bitwise_right_shift(codes, 4, out=nibbles)
+        columns = unpacked[..., half * per_byte:(half + 1) * per_byte].copy_(nibbles)
+        torch.addcmul(spread_zero, columns, spread_scale, out=columns)
+    return unpacked
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A contiguous ``shape`` view of this thread's buffer ``name``, kept between eager calls and grown when
+    too small: a fresh block-sized tensor per call cost page faults each time (module docstring)."""
+    buffers = _SCRATCH.__dict__.setdefault("buffers", {})
+    key, numel = (name, dtype, device), math.prod(shape)
+    if key not in buffers or buffers[key].numel() < numel:
+        buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+    return buffers[key][:numel].view(shape)
 
 
 def _codes_order(x: torch.Tensor, halves: int) -> torch.Tensor:
