@@ -142,6 +142,23 @@ def test_cpu_eager_scratch_buffers_are_per_thread():
             assert_matches(got, want[i], atol=1e-5, mass_atol=1e-6)
 
 
+def test_cpu_eager_scratch_buffers_outlive_inference_mode():
+    """A thread whose first decode runs under ``torch.inference_mode`` (its scratch buffers made there) can
+    decode outside it afterwards, and inside it again."""
+    inputs = quantized_inputs(5, 300, 4)
+    want = quantized_decode_attention_with_mass(*inputs, **options(64))
+
+    def decode():  # a fresh thread: its scratch buffers do not exist yet
+        torch.set_num_threads(1)
+        with torch.inference_mode():
+            first = quantized_decode_attention_with_mass_cpu(*inputs, **options(64))
+        return first, quantized_decode_attention_with_mass_cpu(*inputs, **options(64))
+
+    with ThreadPoolExecutor(1) as pool:
+        for got in pool.submit(decode).result():
+            assert_matches(got, want, atol=1e-5, mass_atol=1e-6)
+
+
 def test_cpu_compiles_into_one_graph_for_every_slot_count():
     """Under ``torch.compile(fullgraph=True)`` (the decode step's), the blocks stay symbolic: after the first
     (static) shape, slot counts that do and do not divide by the block count share one dynamic graph."""

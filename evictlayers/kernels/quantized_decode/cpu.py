@@ -210,7 +210,10 @@ def _scratch(name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torc
     buffers = _SCRATCH.__dict__.setdefault("buffers", {})
     key, numel = (name, dtype, device), math.prod(shape)
     if key not in buffers or buffers[key].numel() < numel:
-        buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        # a normal tensor even when first needed under inference_mode, so that later calls outside it may
+        # still write it (an inference tensor may only be written inside inference_mode)
+        with torch.inference_mode(False):
+            buffers[key] = torch.empty(numel, dtype=dtype, device=device)
     return buffers[key][:numel].view(shape)
 
 
