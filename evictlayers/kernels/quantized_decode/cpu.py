@@ -185,7 +185,10 @@ def _unpacked_eager(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     ``addcmul`` written into its columns, with the scale and zero point spread to the bytes' width (both
     nibbles of byte ``p`` are in group ``p // run``), so no operand is broadcast (module docstring)."""
     batch, heads, n_slots, per_byte = codes.shape
-    unpacked = _scratch("unpacked", (batch, heads, n_slots, halves * per_byte), torch.float32, codes.device)
+    shape = (batch, heads, n_slots, halves * per_byte)
+    # with grad enabled, the matmul that reads the block may save it for its backward: a fresh tensor then
+    unpacked = (torch.empty(shape, device=codes.device) if torch.is_grad_enabled()
+                else _scratch("unpacked", shape, torch.float32, codes.device))
     spread_scale, spread_zero = (_scratch(name, codes.shape, torch.float32, codes.device) for name in ("scale", "zero"))
     for spread, values in ((spread_scale, scale), (spread_zero, zero)):
         # to float32 first, then spread (ATen's 16-bit -> float32 copy with a broadcast took twice as long)
