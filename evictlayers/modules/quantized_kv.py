@@ -277,18 +277,22 @@ class QuantizedSlots:
         return quantize_groups(x, self.config.bits, self.config.group, -1, _scale_dtype(self.dtype))
 
     def _quantize_keys(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return self._quantize(keys.float() / self.key_channel_scale)
+        return self._quantize(self._normalised(keys))
+
+    def _normalised(self, keys: torch.Tensor) -> torch.Tensor:
+        """``keys`` ``[B, H, N, D]`` in float32, divided by the per-channel normalisation (what is quantised)."""
+        return keys.float() / self.key_channel_scale
 
     def _put_codes(self, rows, cols, slot: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
         """Quantise one token per head (``key`` ``[B, H, D]``, ``value`` ``[B, H, Dv]``) into ``slot`` ``[B, H]``."""
+        key, value = self._normalised(key[:, :, None]), value[:, :, None].float()  # [B, H, 1, D], [B, H, 1, Dv]
         if key.shape[-1] == value.shape[-1]:
             # key and value as two rows of one call: a decode step's token is a few dozen elements, so the
             # quantisation's ~25 ops cost their calls, not their bytes
-            both = torch.stack([key.float() / self.key_channel_scale[:, :, 0], value.float()], 2)
-            quantized = [part.unbind(2) for part in self._quantize(both)]  # (codes, scale, zero) x (key, value)
-            new = [quantized[i][which] for which in (0, 1) for i in range(3)]
+            codes_scale_zero = self._quantize(torch.cat([key, value], 2))  # row 0 the key's, row 1 the value's
+            new = [part[:, :, token] for token in (0, 1) for part in codes_scale_zero]
         else:
-            new = [part[:, :, 0] for part in (*self._quantize_keys(key[:, :, None]), *self._quantize(value[:, :, None]))]
+            new = [part[:, :, 0] for part in (*self._quantize(key), *self._quantize(value))]
         for buffer, row in zip(
             (self.key_codes, self.key_scale, self.key_zero, self.value_codes, self.value_scale, self.value_zero), new
         ):

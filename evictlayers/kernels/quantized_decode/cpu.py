@@ -193,13 +193,15 @@ def _unpacked_eager(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
     for spread, values in ((spread_scale, scale), (spread_zero, zero)):
         # to float32 first, then spread (ATen's 16-bit -> float32 copy with a broadcast took twice as long)
         spread.view(*values.shape, run).copy_(values.float()[..., None].expand(*values.shape, run))
-    nibbles = _scratch("nibbles", codes.shape, torch.uint8, codes.device) if halves == 2 else codes
+    nibbles = _scratch("nibbles", codes.shape, torch.uint8, codes.device) if halves == 2 else None
     for half in range(halves):
-        if halves == 2 and half == 0:
-            torch.bitwise_and(codes, 15, out=nibbles)
-        elif halves == 2:
-            torch.bitwise_right_shift(codes, 4, out=nibbles)
-        columns = unpacked[..., half * per_byte:(half + 1) * per_byte].copy_(nibbles)
+        if halves == 1:
+            source = codes
+        elif half == 0:
+            source = torch.bitwise_and(codes, 15, out=nibbles)
+        else:
+            source = torch.bitwise_right_shift(codes, 4, out=nibbles)
+        columns = unpacked[..., half * per_byte:(half + 1) * per_byte].copy_(source)
         torch.addcmul(spread_zero, columns, spread_scale, out=columns)
     return unpacked
 
