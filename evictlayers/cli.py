@@ -316,7 +316,7 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                                              add_generation_prompt=True)
     inputs = tokenizer(text, return_tensors="pt")
     start = time.perf_counter()
-    with torch.inference_mode(), el.apply(model, policy, compile=args.compile) as run:
+    with torch.inference_mode(), el.apply(model, policy, compile=args.compile, tokenizer=tokenizer) as run:
         out = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
                              pad_token_id=tokenizer.pad_token_id)
         stats = run.stats()

@@ -111,7 +111,7 @@ def run(recipes: list[str], n_prompts: int, target_tokens: int, max_new_tokens: 
                 _, timings, _ = _generate(model, inputs, max_new_tokens, "unmodified (HF)", progress)
                 beside.append((n_prompts * (max_new_tokens - 1)) / timings["decode_seconds"])
             policy = el.load_recipe(RECIPES / f"{name}.yaml")
-            with el.apply(model, policy, compile=compile) as patched:
+            with el.apply(model, policy, compile=compile, tokenizer=tokenizer) as patched:
                 generated, timings, _ = _generate(model, inputs, max_new_tokens, name, progress)
                 result = row(name, generated, timings, patched.stats()["kv_bytes"])
             result["unmodified_decode_tokens_per_s"] = beside[-1]

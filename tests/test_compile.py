@@ -3,9 +3,9 @@
 The reference is the eager decode step (the same function run without ``torch.compile``), whose
 behaviour the rest of the suite pins against the unmodified model and the papers' algorithms; the
 eviction guard makes sure the 300 steps really evict. Compiling a step takes ~20 s on one core, so
-the default suite compiles four policies (one-at-a-time eviction, the same on int4 codes attended
-blockwise, the sort path with every scorer kind, and key scorers sharing the budget); the other shipped
-recipes compile in the slow suite.
+the default suite compiles six policies (one-at-a-time eviction, the same on int4 codes attended
+blockwise, the sort path with every scorer kind, key scorers sharing the budget, fixed chunks and sentence
+chunks); the other shipped recipes compile in the slow suite.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch._dynamo.utils import counters
 import evictlayers as el
 from evictlayers.compose.store import CompileError
 from evictlayers.scoring import Cumulative
-from tiny_models import build, left_padded, single_thread  # noqa: F401
+from tiny_models import CharTokenizer, build, left_padded, single_thread  # noqa: F401
 
 STEPS = 300
 LENGTHS = [20, 13]
@@ -27,7 +27,7 @@ def decode_logits(model, policy, compile: bool, steps: int = STEPS) -> tuple[tor
     """``[steps, B, vocab]`` logits of a greedy manual loop over a left-padded batch of two."""
     ids, mask = left_padded(LENGTHS)
     logits = []
-    with torch.no_grad(), el.apply(model, policy, compile=compile) as run:
+    with torch.no_grad(), el.apply(model, policy, compile=compile, tokenizer=CharTokenizer()) as run:
         cache = run.new_cache()
         out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         for _ in range(steps):
@@ -64,6 +64,10 @@ POLICIES = {
     ),
     # ChunkKV's chunk sums (a sort, cumulative sums and run ends in the graph)
     "chunks": lambda: el.Policy(el.RecentWindow(2), el.HeavyHitterSelector(el.Windowed(4), chunk=3), budget=0.5),
+    # sentence chunks: each new token's sentence start written into the selector's state in the graph
+    "sentences": lambda: el.Policy(
+        el.RecentWindow(2), el.HeavyHitterSelector(el.Windowed(4), chunk="sentence", sentence_cap=4), budget=0.5
+    ),
 }
 
 

@@ -44,6 +44,7 @@ def decode_step(
     sinks: torch.Tensor | None = None,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     coins: CoinTable | None = None,
+    sentence_start: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Insert one token per row, attend, score and evict, writing the store's tensors in place.
 
@@ -65,6 +66,8 @@ def decode_step(
             The output is then the exact slots merged with the sketch of the tokens evicted so far, and
             this step's victims are absorbed before their slots are freed. The scorers see the exact
             slots' mass only: evicted tokens have no slot to credit it to.
+        sentence_start: ``[B, 1]`` int64 where the new token's sentence starts, for a policy that ranks
+            sentences (``None`` otherwise).
 
     Returns:
         ``[B, H_q, 1, D_v]`` attention output.
@@ -120,6 +123,7 @@ def decode_step(
     observation = Observation(
         mass=attention.mass, rows=mass_rows, row_pos=query_pos[:, None], values=values,
         group_size=query.shape[1] // heads, gqa_reduce=policy.gqa_reduce, keys=keys, inserted=slot[:, :, None],
+        sentence_start=sentence_start,
     )
     ranking.observe(policy, state, observation, view)
     if budget is None:

@@ -355,6 +355,12 @@ class Policy(nn.Module):
         """Whether a one-token step's scorers read the slots' values (a quantised cache dequantises them only then)."""
         return self.selectors.reads_values if self.selectors is not None else False
 
+    @property
+    def reads_sentences(self) -> bool:
+        """Whether a selector ranks the text's sentences (``chunk="sentence"``): the slot store then needs
+        each token's sentence end mark, which ``evictlayers.apply(..., tokenizer=)`` gives it."""
+        return self.selectors.reads_sentences if self.selectors is not None else False
+
     def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
         """``[B, Q]`` factor on the logits of the scoring softmax, or ``None`` to score with the model's."""
         return self.selectors.score_gain(query_pos, budget) if self.selectors is not None else None

@@ -165,6 +165,10 @@ class SelectorSet(nn.Module):
         return any(member.reads_candidates for member in self.members)
 
     @property
+    def reads_sentences(self) -> bool:
+        return any(member.reads_sentences for member in self.members)
+
+    @property
     def tie_tolerance(self) -> float:
         # eviction ranks by the last member's score (earlier members' claims sit at CLAIMED)
         return self.members[-1].tie_tolerance

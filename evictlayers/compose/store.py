@@ -99,6 +99,8 @@ class SlotStore:
         self.ranks: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.seen: torch.Tensor | None = None  # [B] real tokens per row
+        # chunk="sentence": [B] the position of each row's last sentence end so far (-1: none yet)
+        self.last_sentence_end: torch.Tensor | None = None
         self.budget: torch.Tensor | None = None  # [B] tokens per head, None = unbounded
         self.seq_len = 0  # columns fed so far, padding included (what transformers calls tokens seen)
         # ClusterSketch: the evicted tokens of every (row, KV head), fixed-size buffers
@@ -187,6 +189,8 @@ class SlotStore:
             self.ranks = self.ranks.index_select(0, index)
         self.state = {name: t.index_select(0, index) for name, t in self.state.items()}
         self.seen = self.seen.index_select(0, index)
+        if self.last_sentence_end is not None:
+            self.last_sentence_end = self.last_sentence_end.index_select(0, index)
         if self.budget is not None:
             self.budget = self.budget.index_select(0, index)
         if self.sketch is not None:
@@ -232,6 +236,7 @@ class SlotStore:
         softcap: float | None = None,
         sliding_window: int | None = None,
         sinks: torch.Tensor | None = None,
+        sentence_ends: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Insert the step's tokens, attend over the slots, score, evict over-budget slots.
 
@@ -240,6 +245,8 @@ class SlotStore:
             real: ``[B, Q]`` bool, ``False`` for padding tokens (never stored); ``None`` = all real.
             sinks: ``[H_q]`` learned attention-sink logits (``kernels/attention_sinks.py``), or ``None``.
                 The scorers see each key's probability without the sink's share.
+            sentence_ends: ``[B, Q]`` bool, ``True`` for a token whose text ends a sentence or a line; needed
+                (and read) only when a selector ranks sentences (``Policy.reads_sentences``).
 
         Returns:
             ``[B, H_q, Q, D_v]`` attention output (zero for padding queries).
@@ -272,10 +279,13 @@ class SlotStore:
                 "s_aux/sinks): use a policy without the sketch for this model"
             )
         if q_len == 1 and self.kv is not None:
+            starts = self._sentence_starts(torch.where(real, self.seen[:, None], -1), sentence_ends)
             return self._decode(
-                query, key, value, real, scaling=scaling, softcap=softcap, sliding_window=sliding_window, sinks=sinks
+                query, key, value, real, scaling=scaling, softcap=softcap, sliding_window=sliding_window, sinks=sinks,
+                sentence_start=starts,
             )
         query_pos = torch.where(real, self.seen[:, None] + real.long().cumsum(1) - 1, -1)
+        sentence_start = self._sentence_starts(query_pos, sentence_ends)
         new_pos = query_pos[:, None, :].expand(batch, kv_heads, q_len)
         first_new = self.capacity  # the step's tokens follow the held slots in the concatenation
         keys, values, pos, state = self._concatenated(key, value, new_pos)
@@ -314,6 +324,7 @@ class SlotStore:
             gqa_reduce=self.policy.gqa_reduce,
             keys=keys,
             inserted=torch.arange(first_new, first_new + q_len, device=key.device).expand(batch, kv_heads, q_len),
+            sentence_start=sentence_start,
         )
         self.seen = self.seen + real.sum(1)
         self.seq_len += q_len
@@ -341,6 +352,32 @@ class SlotStore:
             self.bound = "window"
             budget = cap if budget is None else torch.minimum(budget, cap)
         return budget
+
+    def _sentence_starts(self, query_pos: torch.Tensor, sentence_ends: torch.Tensor | None) -> torch.Tensor | None:
+        """``[B, Q]`` int64: where each of the step's tokens' sentence starts (the position after the last
+        sentence end before it, 0 for the first sentence), for a policy that ranks sentences; ``None`` for
+        any other. ``query_pos`` ``[B, Q]`` (``-1`` = padding, which neither ends nor starts a sentence)."""
+        if not self.policy.reads_sentences:
+            return None
+        if sentence_ends is None:
+            raise ValueError(
+                "the policy ranks sentences (HeavyHitterSelector(chunk='sentence')), so each step needs its "
+                "tokens' sentence ends: apply it with evictlayers.apply(model, policy, tokenizer=...) and feed "
+                "input_ids (or pass SlotStore.step(..., sentence_ends=[B, Q] bool))"
+            )
+        if sentence_ends.shape != query_pos.shape or sentence_ends.dtype != torch.bool:
+            raise ValueError(
+                f"sentence_ends must be a [B, Q] = {list(query_pos.shape)} bool tensor, got "
+                f"{list(sentence_ends.shape)} {sentence_ends.dtype}"
+            )
+        if self.last_sentence_end is None:
+            self.last_sentence_end = torch.full_like(query_pos[:, 0], -1)
+        # a padding token's position is -1, the same as "no end", so padding never ends a sentence
+        ends = torch.where(sentence_ends.to(query_pos.device), query_pos, -1)
+        through = torch.maximum(ends.cummax(1).values, self.last_sentence_end[:, None])  # last end at or before
+        before = torch.cat([self.last_sentence_end[:, None], through[:, :-1]], dim=1)  # strictly before
+        self.last_sentence_end = through[:, -1]
+        return before + 1
 
     def _decode(self, query, key, value, real, **attention_kwargs) -> torch.Tensor:
         """One token per row into the fixed slot buffers (``decode_step``, compiled when asked)."""

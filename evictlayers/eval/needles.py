@@ -47,12 +47,12 @@ def held_key_tokens(cache, key_tokens: Sequence[int]) -> list[list[int]]:
 
 
 def prefill_then_greedy(model, policy: el.Policy, ids: torch.Tensor, max_new_tokens: int, after_prefill,
-                        eos: int | None = None):
+                        eos: int | None = None, tokenizer=None):
     """``(generated token ids, after_prefill(cache))``: prefill ``ids`` ``[1, n]`` under ``policy``, read the
     cache with ``after_prefill`` before any token is generated, then decode greedily from it (at most
     ``max_new_tokens``, stopping after ``eos`` if given)."""
     generated = []
-    with torch.inference_mode(), el.apply(model, policy) as run:
+    with torch.inference_mode(), el.apply(model, policy, tokenizer=tokenizer) as run:
         cache = run.new_cache()
         logits = model(input_ids=ids, past_key_values=cache).logits
         read = after_prefill(cache)
@@ -75,7 +75,7 @@ def dump_prompt(model, tokenizer, policy: el.Policy, row: dict, max_new_tokens: 
     key_tokens = key_token_indices(tokenizer, row["text"], row["answer"])
     ids = tokenizer(row["text"], return_tensors="pt")["input_ids"]
     generated, held = prefill_then_greedy(model, policy, ids, max_new_tokens,
-                                          lambda cache: held_key_tokens(cache, key_tokens))
+                                          lambda cache: held_key_tokens(cache, key_tokens), tokenizer=tokenizer)
     text = tokenizer.decode(generated, skip_special_tokens=True)
     return {
         "depth": row["depth"], "answer": row["answer"], "generated": text,

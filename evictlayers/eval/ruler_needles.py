@@ -69,7 +69,7 @@ def dump_ruler_prompt(model, tokenizer, policy: el.Policy, sample, chat: bool) -
     generated, held = prefill_then_greedy(
         model, policy, torch.tensor([list(sample.input_ids)]), sample.max_new_tokens,
         lambda cache: [(held_key_tokens(cache, s["key_tokens"]), held_key_tokens(cache, s["value_tokens"])) for s in spans],
-        eos=tokenizer.eos_token_id,
+        eos=tokenizer.eos_token_id, tokenizer=tokenizer,
     )
     text = tokenizer.decode(generated, skip_special_tokens=True)
     answers = []

@@ -42,14 +42,15 @@ def _left_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, to
 
 
 def generate_query_aware(model, policy: el.Policy, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                         pad_token_id: int, compile: bool = False):
-    """Greedy continuations of left-padded ``prompts`` under ``policy``, each prompt one prefill.
+                         pad_token_id: int, compile: bool = False, tokenizer=None):
+    """Greedy continuations of left-padded ``prompts`` under ``policy``, each prompt one prefill
+    (``tokenizer``: for a policy that ranks sentences, see ``evictlayers.apply``).
 
     Returns ``(new token ids per row [B, <= max_new_tokens], cache, stats, seconds)``.
     """
     ids, mask = _left_pad(prompts, pad_token_id)
     start = time.perf_counter()
-    with torch.inference_mode(), el.apply(model, policy, compile=compile) as run:
+    with torch.inference_mode(), el.apply(model, policy, compile=compile, tokenizer=tokenizer) as run:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
                              pad_token_id=pad_token_id)
         cache, stats = run.cache, run.stats()
@@ -57,14 +58,14 @@ def generate_query_aware(model, policy: el.Policy, prompts: Sequence[Sequence[in
 
 
 def generate_query_agnostic(model, policy: el.Policy, prompt: Sequence[int], n_context: int, max_new_tokens: int,
-                            pad_token_id: int, compile: bool = False):
+                            pad_token_id: int, compile: bool = False, tokenizer=None):
     """Greedy continuation of one prompt whose first ``n_context`` tokens are prefilled (and compressed)
     before the rest is seen. Returns ``(new token ids [1, <= max_new_tokens], cache, stats, seconds)``."""
     if not 0 < n_context < len(prompt):
         raise ValueError(f"n_context must split the prompt (0 < n_context < {len(prompt)}), got {n_context}")
     ids = torch.tensor([list(prompt)], dtype=torch.long)
     start = time.perf_counter()
-    with torch.inference_mode(), el.apply(model, policy, compile=compile) as run:
+    with torch.inference_mode(), el.apply(model, policy, compile=compile, tokenizer=tokenizer) as run:
         cache = run.new_cache()
         model(input_ids=ids[:, :n_context], attention_mask=torch.ones(1, n_context, dtype=torch.long),
               past_key_values=cache, use_cache=True)

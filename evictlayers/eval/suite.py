@@ -176,7 +176,7 @@ class _GenerationTask(EvalTask):
         ids, mask = batch["input_ids"], batch["attention_mask"]
         steps = self.max_new_tokens
         start = time.perf_counter()
-        with el.apply(model, policy, compile=self.compile) as run:
+        with el.apply(model, policy, compile=self.compile, tokenizer=self.tokenizer) as run:
             out = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
                 pad_token_id=self.tokenizer.pad_token_id,
@@ -387,7 +387,7 @@ class PerplexityTask(EvalTask):
         kl = torch.zeros(batch_size, dtype=torch.float64)
         agree = torch.zeros(batch_size, dtype=torch.long)
         start = time.perf_counter()
-        with el.apply(model, policy, compile=self.compile) as run:
+        with el.apply(model, policy, compile=self.compile, tokenizer=self.tokenizer) as run:
             cache = run.new_cache()
             for s in range(0, n, self.chunk):
                 e = min(s + self.chunk, n)
@@ -550,10 +550,10 @@ class RulerTask(EvalTask):
             steps = group[0]["max_new_tokens"]
             if group[0]["setting"] == "query_aware":
                 new, cache, stats, seconds = generate_query_aware(
-                    model, policy, [r["input_ids"] for r in group], steps, pad, self.compile)
+                    model, policy, [r["input_ids"] for r in group], steps, pad, self.compile, self.tokenizer)
             else:
                 new, cache, stats, seconds = generate_query_agnostic(
-                    model, policy, group[0]["input_ids"], group[0]["n_context"], steps, pad, self.compile)
+                    model, policy, group[0]["input_ids"], group[0]["n_context"], steps, pad, self.compile, self.tokenizer)
             memory = self._memory_records(cache, stats, len(group), seconds)
             for b, row in enumerate(group):
                 tokens = new[b].tolist()

@@ -72,7 +72,8 @@ def evicting_attention(
                 "call (MLA models cache a compressed latent and expand it into keys afterwards), so the keys "
                 "evictlayers holds are not the ones it attends over"
             )
-        out = layer.attend(query, run.real_tokens(layer.store.seq_len, query.shape[2]), **options, sinks=sinks)
+        real = run.real_tokens(layer.store.seq_len, query.shape[2])
+        out = layer.attend(query, real, **options, sinks=sinks, sentence_ends=run.sentence_ends)
     else:
         # no cache (use_cache=False): a full slot store used for this call only, so positions, rotation
         # and masking are the ones every cached step uses

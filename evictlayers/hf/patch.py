@@ -20,6 +20,7 @@ from evictlayers.compose.positions import RotaryTable
 from evictlayers.hf import attention, versions
 from evictlayers.hf.cache import EvictionCache, EvictionLayer
 from evictlayers.hf.rotary import model_rotary_tables
+from evictlayers.hf.sentences import sentence_end_table
 from evictlayers.hf.support import model_support
 
 _EVICTING_CLASSES: dict[type, type] = {}
@@ -35,7 +36,7 @@ def _evicting_class(cls: type) -> type:
 class EvictionRun:
     """The patched state of one model; ``with apply(model, policy) as run`` yields it."""
 
-    def __init__(self, model: nn.Module, policy: Policy, compile: bool = False):
+    def __init__(self, model: nn.Module, policy: Policy, compile: bool = False, tokenizer=None):
         versions.check_transformers_version()
         if not isinstance(policy, Policy):
             raise TypeError(f"evictlayers.apply expects a Policy, got {type(policy).__name__}")
@@ -48,6 +49,18 @@ class EvictionRun:
             )
         self.model, self.policy, self.compile = model, policy, compile
         self.support = model_support(model)
+        # a policy that ranks sentences: which token ids end one, and the current forward's marks [B, Q]
+        self._sentence_table: torch.Tensor | None = None
+        self.sentence_ends: torch.Tensor | None = None
+        if policy.reads_sentences:
+            if tokenizer is None:
+                raise ValueError(
+                    "this policy ranks the text's sentences (HeavyHitterSelector(chunk='sentence')): pass the model's "
+                    "tokenizer, evictlayers.apply(model, policy, tokenizer=tokenizer), so evictlayers knows which "
+                    "tokens end a sentence"
+                )
+            vocab = model.config.get_text_config(decoder=True).vocab_size
+            self._sentence_table = sentence_end_table(tokenizer, vocab)
         # the attention implementation evictlayers stands in for (what the unmodified model runs)
         self.replaced_implementation = getattr(model.config, "_attn_implementation", None)
         self._attention = [layer.module for layer in self.support.attention]
@@ -176,9 +189,21 @@ class EvictionRun:
                 args, kwargs = replaced(args, kwargs, "position_ids", zeros)
             self.cache = cache if use_cache else None
             self._padding = mask
+            if self._sentence_table is not None:
+                self._mark_sentence_ends(arguments.get("input_ids"))
             return args, kwargs
 
         return before_forward
+
+    def _mark_sentence_ends(self, input_ids: torch.Tensor | None) -> None:
+        """Keep which of this forward's tokens end a sentence, for a policy that ranks sentences (``None``
+        for a forward fed inputs_embeds: its slot stores then say they need the ids)."""
+        if input_ids is None:
+            self.sentence_ends = None
+            return
+        if self._sentence_table.device != input_ids.device:
+            self._sentence_table = self._sentence_table.to(input_ids.device)
+        self.sentence_ends = self._sentence_table[input_ids]
 
     def staged_layer(self, layer_idx: int) -> EvictionLayer | None:
         """The cache layer holding this step's staged keys, or ``None`` when running without a cache."""
@@ -212,11 +237,14 @@ class EvictionRun:
         return self.cache.stats()
 
 
-def apply(model: nn.Module, policy: Policy, compile: bool = False) -> EvictionRun:
+def apply(model: nn.Module, policy: Policy, compile: bool = False, tokenizer=None) -> EvictionRun:
     """Patch ``model`` to generate with ``policy``'s bounded cache; use as a context manager.
+
+    ``tokenizer``: the model's tokenizer, needed by a policy that ranks the text's sentences
+    (``HeavyHitterSelector(chunk="sentence")``; an error names it when missing) and ignored by others.
 
     ``compile=True`` runs every layer's decode step (insert, attention with mass, scoring, eviction) as
     one ``torch.compile(fullgraph=True)`` graph over fixed slot buffers; prefill stays eager. A policy
     whose per-step code cannot be traced raises ``CompileError`` naming the layer, never falls back.
     """
-    return EvictionRun(model, policy, compile=compile)
+    return EvictionRun(model, policy, compile=compile, tokenizer=tokenizer)

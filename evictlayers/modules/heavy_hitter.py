@@ -52,6 +52,13 @@ class HeavyHitterSelector(Selector):
       once, at prefill; here the chunk sums keep ranking while generating, and a chunk that has lost
       tokens sums fewer of them, so the cache goes on dropping it before it breaks up another. Applied
       after ``pool``.
+    - ``chunk="sentence"``: the chunks are the text's own sentences and lines, as ChunkKV's motivation
+      (semantic chunks) and SentenceKV (Zhu et al. 2025, arXiv:2504.00970) have them, instead of fixed
+      runs of positions: a chunk ends at a token whose text holds a sentence end or a line break
+      (``evictlayers.apply(..., tokenizer=)`` marks them), and a sentence longer than ``sentence_cap``
+      tokens is cut into pieces of ``sentence_cap`` from its start, so unpunctuated text ranks in bounded
+      chunks. Scored as the fixed chunks are (the sum over the held tokens of the piece). Our variant:
+      SentenceKV keeps sentence-level key summaries for retrieval, not a per-token cache.
     - ``scope="layer"``: every KV head of the layer keeps the same tokens, ranked by the score averaged
       over the heads (TOVA, Oren et al. 2024, arXiv:2401.06104, Sec. 3.2; ChunkKV's layer-wise index
       reuse). The heads' slot layouts then stay identical, so slot ``j`` is the same token in every head.
@@ -59,7 +66,10 @@ class HeavyHitterSelector(Selector):
       selectors (see ``Policy``); ``None`` (the default) for a policy's only selector.
     """
 
-    param_names = ("accumulator", "transform", "prior", "pool", "pool_reduce", "pool_side", "chunk", "scope", "share")
+    param_names = (
+        "accumulator", "transform", "prior", "pool", "pool_reduce", "pool_side", "chunk", "sentence_cap", "scope", "share",
+    )
+    SENTENCE = "sentence"
     POOL_REDUCTIONS = ("mean", "max")
     POOL_SIDES = ("both", "before")
     SCOPES = ("head", "layer")
@@ -72,7 +82,8 @@ class HeavyHitterSelector(Selector):
         pool: int = 1,
         pool_reduce: str = "mean",
         pool_side: str = "both",
-        chunk: int = 1,
+        chunk: int | str = 1,
+        sentence_cap: int = 32,
         scope: str = "head",
         share: float | None = None,
     ):
@@ -99,14 +110,20 @@ class HeavyHitterSelector(Selector):
             if clash:
                 raise ValueError(f"HeavyHitterSelector: accumulator and prior both name state {sorted(clash)}")
         self._check_options(pool, pool_reduce, pool_side, scope, share)
-        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+        if chunk != self.SENTENCE and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ValueError(f"HeavyHitterSelector(chunk={chunk!r}): the chunk length must be an int >= 1 "
-                             "(1: no chunks; ChunkKV uses 10)")
+                             "(1: no chunks; ChunkKV uses 10) or 'sentence' (the text's sentences and lines)")
+        if isinstance(sentence_cap, bool) or not isinstance(sentence_cap, int) or sentence_cap < 1:
+            raise ValueError(f"HeavyHitterSelector(sentence_cap={sentence_cap!r}): the longest sentence chunk must "
+                             "be an int >= 1 (tokens)")
+        if sentence_cap != 32 and chunk != self.SENTENCE:
+            raise ValueError(f"HeavyHitterSelector(sentence_cap={sentence_cap!r}) caps sentence chunks: it needs "
+                             f"chunk='sentence' (got chunk={chunk!r})")
         self.accumulator = accumulator
         self.transform = transform
         self.prior = prior
         self.pool, self.pool_reduce, self.pool_side = pool, pool_reduce, pool_side
-        self.chunk, self.scope, self.share = chunk, scope, share
+        self.chunk, self.sentence_cap, self.scope, self.share = chunk, sentence_cap, scope, share
 
     @classmethod
     def _check_options(cls, pool: Any, pool_reduce: Any, pool_side: Any, scope: Any, share: Any) -> None:
@@ -136,7 +153,7 @@ class HeavyHitterSelector(Selector):
             )
 
     DEFAULTS = {"transform": None, "prior": None, "pool": 1, "pool_reduce": "mean", "pool_side": "both", "chunk": 1,
-                "scope": "head", "share": None}
+                "sentence_cap": 32, "scope": "head", "share": None}
 
     def params(self) -> dict[str, Any]:
         # options appear only when they differ from the default, so an H2O selector dumps as it always did
@@ -147,7 +164,17 @@ class HeavyHitterSelector(Selector):
         specs = dict(self.accumulator.state_specs)
         if self.prior is not None:
             specs.update(self.prior.state_specs)
+        if self.reads_sentences:
+            specs[self.SENTENCE_START] = ()
         return specs
+
+    SENTENCE_START = "sentence_start"
+    """State of ``chunk="sentence"``: the position where each slot's sentence starts (float32, exact up to
+    2^24 positions), written when the token arrives."""
+
+    @property
+    def reads_sentences(self) -> bool:
+        return self.chunk == self.SENTENCE
 
     @property
     def rows_needed(self) -> int:
@@ -177,6 +204,16 @@ class HeavyHitterSelector(Selector):
         self.accumulator.update(state, observation, view)
         if self.prior is not None:
             self.prior.update(state, observation, view)
+        if self.reads_sentences:
+            if observation.sentence_start is None or observation.inserted is None:
+                raise ValueError(
+                    "HeavyHitterSelector(chunk='sentence') needs each new token's sentence start; under "
+                    "evictlayers.apply pass the model's tokenizer (evictlayers.apply(model, policy, tokenizer=...)) "
+                    "and feed input_ids, not inputs_embeds"
+                )
+            inserted = observation.inserted
+            start = observation.sentence_start[:, None, :].expand(inserted.shape).to(torch.float32)
+            state[self.SENTENCE_START].scatter_(2, inserted, start)
 
     @property
     def head_state_specs(self) -> dict[str, tuple[int | str, ...]]:
@@ -192,8 +229,13 @@ class HeavyHitterSelector(Selector):
             score = score * self.prior.weight(state, view)
         if self.pool > 1:
             score = pool_by_position(score, view.pos, self.pool, self.pool_reduce, self.pool_side)
-        if self.chunk > 1:
-            score = sum_by_chunk(score, view.pos, self.chunk)
+        if self.reads_sentences:
+            start = state[self.SENTENCE_START].long()
+            # sentences longer than the cap break into pieces of `sentence_cap` counted from their start
+            piece = start + (view.pos - start).div(self.sentence_cap, rounding_mode="floor") * self.sentence_cap
+            score = sum_by_group(score, view.pos, piece)
+        elif self.chunk > 1:
+            score = sum_by_group(score, view.pos, view.pos.div(self.chunk, rounding_mode="floor"))
         if self.scope == "layer":
             held = view.valid
             mean = (score * held).sum(1, keepdim=True) / held.sum(1, keepdim=True).clamp(min=1)
@@ -227,9 +269,10 @@ def pool_by_position(score: torch.Tensor, pos: torch.Tensor, width: int, reduce:
     return torch.empty_like(pooled).scatter_(-1, order, pooled).masked_fill(~held, 0.0)
 
 
-def sum_by_chunk(score: torch.Tensor, pos: torch.Tensor, chunk: int) -> torch.Tensor:
-    """``score`` ``[B, H, N]`` replaced, for each held slot, by the sum over the held slots whose position
-    falls in the same chunk (``pos // chunk``; ``pos`` ``[B, H, N]``, ``-1`` = empty, which gets 0).
+def sum_by_group(score: torch.Tensor, pos: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
+    """``score`` ``[B, H, N]`` replaced, for each held slot, by the sum over the held slots of the same
+    chunk (``group`` ``[B, H, N]`` int64, non-decreasing in position: ``pos // c`` for fixed chunks, the
+    start of the sentence piece for sentences; ``pos`` ``[B, H, N]``, ``-1`` = empty, which gets 0).
 
     Fixed-shape, for the compiled decode step: the slots sorted by position, where each chunk is a run,
     and each run's sum read off a cumulative sum at the run's two ends."""
@@ -238,7 +281,7 @@ def sum_by_chunk(score: torch.Tensor, pos: torch.Tensor, chunk: int) -> torch.Te
     order = pos.masked_fill(~held, LAST).argsort(-1)  # held slots first, by position
     ranked = score.gather(-1, order).masked_fill(~held.gather(-1, order), 0.0)
     # empty slots (sorted last) get chunk ids past every real one, one run of their own
-    ids = torch.where(held, pos // chunk, LAST).gather(-1, order)
+    ids = torch.where(held, group, LAST).gather(-1, order)
     index = torch.arange(n_slots, device=score.device).expand_as(ids)
     starts = torch.ones_like(held)
     starts[..., 1:] = ids[..., 1:] != ids[..., :-1]

@@ -52,6 +52,11 @@ class Selector(Component):
         return False
 
     @property
+    def reads_sentences(self) -> bool:
+        """Whether ``update`` reads ``Observation.sentence_start`` (the store then tracks where sentences start)."""
+        return False
+
+    @property
     def reads_candidates(self) -> bool:
         """Whether ``update`` reads ``view.candidates`` (the policy then fills ``view.protected``)."""
         return False

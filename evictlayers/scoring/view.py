@@ -77,6 +77,9 @@ class Observation:
         inserted: ``[B, H_kv, n]`` int64 the slots this step wrote its ``n`` tokens to (a padding token's
             slot holds position ``-1``), so per-slot facts about a key are computed once, on arrival;
             ``None`` where the caller has none to give.
+        sentence_start: ``[B, n]`` int64 the position where each of those tokens' sentence starts (the
+            text's sentences and lines, ``evictlayers.apply(..., tokenizer=)``), for selectors that rank
+            sentences (``reads_sentences``); ``None`` for other policies.
     """
 
     mass: torch.Tensor
@@ -87,3 +90,4 @@ class Observation:
     gqa_reduce: str
     keys: torch.Tensor | None = None
     inserted: torch.Tensor | None = None
+    sentence_start: torch.Tensor | None = None
