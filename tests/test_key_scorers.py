@@ -117,18 +117,23 @@ def test_pooling_before_carries_a_score_forward_only():
     assert kept(pool=3, pool_reduce="max") == {19, 20, 21}
 
 
-def _chunk_sums(scores: dict[int, float], chunk: int) -> dict[int, float]:
-    """ChunkKV's chunk score by a loop: each held token gets the sum over the held tokens of its chunk."""
-    return {j: sum(v for i, v in scores.items() if i // chunk == j // chunk) for j in scores}
+def _chunk_sums(scores: dict[int, float], chunk: int, reduce: str = "sum") -> dict[int, float]:
+    """ChunkKV's chunk score by a loop: each held token gets the sum (or mean) over the held tokens of its chunk."""
+    out = {}
+    for j in scores:
+        members = [v for i, v in scores.items() if i // chunk == j // chunk]
+        out[j] = sum(members) / (len(members) if reduce == "mean" else 1)
+    return out
 
 
-@pytest.mark.parametrize("chunk,budget", [(4, 10), (3, 7), (10, 12)], ids=str)
-def test_chunked_selection_matches_reference(chunk, budget):
+@pytest.mark.parametrize("chunk,budget,reduce", [(4, 10, "sum"), (3, 7, "sum"), (10, 12, "sum"), (4, 10, "mean"),
+                                                 (3, 7, "mean")], ids=str)
+def test_chunked_selection_matches_reference(chunk, budget, reduce):
     torch.manual_seed(chunk * 11 + budget)
     keys = torch.randn(1, 44, 8) * 2
-    policy = el.Policy(el.HeavyHitterSelector(el.KeyNorm(), chunk=chunk), budget=budget)
+    policy = el.Policy(el.HeavyHitterSelector(el.KeyNorm(), chunk=chunk, chunk_reduce=reduce), budget=budget)
     _, history = _drive(policy, keys, prompt=30)
-    keep = _lowest_out(lambda held: _chunk_sums(keynorm_scores(keys[0], held), chunk))
+    keep = _lowest_out(lambda held: _chunk_sums(keynorm_scores(keys[0], held), chunk, reduce))
     assert [h[0] for h in history] == run_reference(keys[0], 30, budget, keep)
 
 

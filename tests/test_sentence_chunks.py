@@ -23,12 +23,16 @@ def reference_starts(ends: list[bool]) -> list[int]:
     return starts
 
 
-def reference_sums(scores: dict[int, float], starts: list[int], cap: int) -> dict[int, float]:
-    """Each held token's score becomes the sum over the held tokens of its sentence piece: the sentence cut
-    into runs of ``cap`` tokens counted from its start."""
+def reference_sums(scores: dict[int, float], starts: list[int], cap: int, reduce: str = "sum") -> dict[int, float]:
+    """Each held token's score becomes the sum (or mean) over the held tokens of its sentence piece: the
+    sentence cut into runs of ``cap`` tokens counted from its start."""
     def piece(j: int) -> tuple[int, int]:
         return starts[j], (j - starts[j]) // cap
-    return {j: sum(v for i, v in scores.items() if piece(i) == piece(j)) for j in scores}
+    out = {}
+    for j in scores:
+        members = [v for i, v in scores.items() if piece(i) == piece(j)]
+        out[j] = sum(members) / (len(members) if reduce == "mean" else 1)
+    return out
 
 
 def _held(store: el.SlotStore, row: int = 0, head: int = 0) -> set[int]:
@@ -36,8 +40,9 @@ def _held(store: el.SlotStore, row: int = 0, head: int = 0) -> set[int]:
     return set(pos[pos >= 0].tolist())
 
 
-@pytest.mark.parametrize("cap,budget", [(32, 12), (4, 9), (3, 20)], ids=str)
-def test_sentence_selection_matches_reference(cap, budget):
+@pytest.mark.parametrize("cap,budget,reduce", [(32, 12, "sum"), (4, 9, "sum"), (3, 20, "sum"), (32, 12, "mean"),
+                                              (4, 9, "mean")], ids=str)
+def test_sentence_selection_matches_reference(cap, budget, reduce):
     """A 30-token prefill then one token a step; every ~5th token ends a sentence (some sentences longer
     than ``cap``): the held set after every step is the reference's (lowest piece sum out, oldest first)."""
     torch.manual_seed(cap * 13 + budget)
@@ -46,8 +51,10 @@ def test_sentence_selection_matches_reference(cap, budget):
     q, v = torch.randn(1, n, d), torch.randn(1, n, d)
     ends = (torch.rand(n) < 0.2).tolist()
     starts = reference_starts(ends)
-    store = el.SlotStore(el.Policy(el.HeavyHitterSelector(el.KeyNorm(), chunk="sentence", sentence_cap=cap) if cap != 32
-                                   else el.HeavyHitterSelector(el.KeyNorm(), chunk="sentence"), budget=budget))
+    options = {"sentence_cap": cap} if cap != 32 else {}  # 32: the default
+    if reduce != "sum":
+        options["chunk_reduce"] = reduce
+    store = el.SlotStore(el.Policy(el.HeavyHitterSelector(el.KeyNorm(), chunk="sentence", **options), budget=budget))
     held = []
     expected = []
     for start, stop in [(0, prompt)] + [(i, i + 1) for i in range(prompt, n)]:
@@ -56,7 +63,7 @@ def test_sentence_selection_matches_reference(cap, budget):
                    sentence_ends=marks)
         held.append(_held(store))
         candidates = (expected[-1] if expected else set()) | set(range(start, stop))
-        scores = reference_sums(keynorm_scores(keys[0], sorted(candidates)), starts, cap)
+        scores = reference_sums(keynorm_scores(keys[0], sorted(candidates)), starts, cap, reduce)
         expected.append(set(sorted(candidates, key=lambda j: (-scores[j], -j))[:budget]))
     assert held == expected
 
@@ -137,6 +144,10 @@ def test_sentence_policy_errors_name_what_is_missing():
         el.HeavyHitterSelector(el.KeyNorm(), sentence_cap=8)
     with pytest.raises(ValueError, match=r"chunk='paragraph'.*'sentence'"):
         el.HeavyHitterSelector(el.KeyNorm(), chunk="paragraph")
+    with pytest.raises(ValueError, match=r"chunk_reduce='max'.*\('sum', 'mean'\)"):
+        el.HeavyHitterSelector(el.KeyNorm(), chunk="sentence", chunk_reduce="max")
+    with pytest.raises(ValueError, match=r"chunk_reduce='mean'.*chunk >= 2"):
+        el.HeavyHitterSelector(el.KeyNorm(), chunk_reduce="mean")
     with pytest.raises(ValueError, match=r"sentence_cap=0"):
         el.HeavyHitterSelector(el.KeyNorm(), chunk="sentence", sentence_cap=0)
 

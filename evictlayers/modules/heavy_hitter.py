@@ -59,6 +59,9 @@ class HeavyHitterSelector(Selector):
       tokens is cut into pieces of ``sentence_cap`` from its start, so unpunctuated text ranks in bounded
       chunks. Scored as the fixed chunks are (the sum over the held tokens of the piece). Our variant:
       SentenceKV keeps sentence-level key summaries for retrieval, not a per-token cache.
+    - ``chunk_reduce="mean"``: a chunk's score is the mean over its held tokens instead of the sum, so a
+      chunk is ranked by how much each of its tokens is worth rather than by how many it has (with
+      sentences of different lengths, a sum ranks long sentences first). Our variant.
     - ``scope="layer"``: every KV head of the layer keeps the same tokens, ranked by the score averaged
       over the heads (TOVA, Oren et al. 2024, arXiv:2401.06104, Sec. 3.2; ChunkKV's layer-wise index
       reuse). The heads' slot layouts then stay identical, so slot ``j`` is the same token in every head.
@@ -67,8 +70,10 @@ class HeavyHitterSelector(Selector):
     """
 
     param_names = (
-        "accumulator", "transform", "prior", "pool", "pool_reduce", "pool_side", "chunk", "sentence_cap", "scope", "share",
+        "accumulator", "transform", "prior", "pool", "pool_reduce", "pool_side", "chunk", "sentence_cap", "chunk_reduce",
+        "scope", "share",
     )
+    CHUNK_REDUCTIONS = ("sum", "mean")
     SENTENCE = "sentence"
     POOL_REDUCTIONS = ("mean", "max")
     POOL_SIDES = ("both", "before")
@@ -84,6 +89,7 @@ class HeavyHitterSelector(Selector):
         pool_side: str = "both",
         chunk: int | str = 1,
         sentence_cap: int = 32,
+        chunk_reduce: str = "sum",
         scope: str = "head",
         share: float | None = None,
     ):
@@ -123,7 +129,13 @@ class HeavyHitterSelector(Selector):
         self.transform = transform
         self.prior = prior
         self.pool, self.pool_reduce, self.pool_side = pool, pool_reduce, pool_side
-        self.chunk, self.sentence_cap, self.scope, self.share = chunk, sentence_cap, scope, share
+        if chunk_reduce not in self.CHUNK_REDUCTIONS:
+            raise ValueError(f"HeavyHitterSelector(chunk_reduce={chunk_reduce!r}): expected one of {self.CHUNK_REDUCTIONS}")
+        if chunk_reduce != "sum" and chunk == 1:
+            raise ValueError(f"HeavyHitterSelector(chunk_reduce={chunk_reduce!r}) reduces chunks: it needs chunk >= 2 "
+                             "or chunk='sentence' (got chunk=1)")
+        self.chunk, self.sentence_cap, self.chunk_reduce = chunk, sentence_cap, chunk_reduce
+        self.scope, self.share = scope, share
 
     @classmethod
     def _check_options(cls, pool: Any, pool_reduce: Any, pool_side: Any, scope: Any, share: Any) -> None:
@@ -153,7 +165,7 @@ class HeavyHitterSelector(Selector):
             )
 
     DEFAULTS = {"transform": None, "prior": None, "pool": 1, "pool_reduce": "mean", "pool_side": "both", "chunk": 1,
-                "sentence_cap": 32, "scope": "head", "share": None}
+                "sentence_cap": 32, "chunk_reduce": "sum", "scope": "head", "share": None}
 
     def params(self) -> dict[str, Any]:
         # options appear only when they differ from the default, so an H2O selector dumps as it always did
@@ -233,9 +245,9 @@ class HeavyHitterSelector(Selector):
             start = state[self.SENTENCE_START].long()
             # sentences longer than the cap break into pieces of `sentence_cap` counted from their start
             piece = start + (view.pos - start).div(self.sentence_cap, rounding_mode="floor") * self.sentence_cap
-            score = sum_by_group(score, view.pos, piece)
+            score = reduce_by_group(score, view.pos, piece, self.chunk_reduce)
         elif self.chunk > 1:
-            score = sum_by_group(score, view.pos, view.pos.div(self.chunk, rounding_mode="floor"))
+            score = reduce_by_group(score, view.pos, view.pos.div(self.chunk, rounding_mode="floor"), self.chunk_reduce)
         if self.scope == "layer":
             held = view.valid
             mean = (score * held).sum(1, keepdim=True) / held.sum(1, keepdim=True).clamp(min=1)
@@ -269,13 +281,13 @@ def pool_by_position(score: torch.Tensor, pos: torch.Tensor, width: int, reduce:
     return torch.empty_like(pooled).scatter_(-1, order, pooled).masked_fill(~held, 0.0)
 
 
-def sum_by_group(score: torch.Tensor, pos: torch.Tensor, group: torch.Tensor) -> torch.Tensor:
-    """``score`` ``[B, H, N]`` replaced, for each held slot, by the sum over the held slots of the same
-    chunk (``group`` ``[B, H, N]`` int64, non-decreasing in position: ``pos // c`` for fixed chunks, the
+def reduce_by_group(score: torch.Tensor, pos: torch.Tensor, group: torch.Tensor, reduce: str = "sum") -> torch.Tensor:
+    """``score`` ``[B, H, N]`` replaced, for each held slot, by the sum (``reduce="sum"``) or the mean
+    (``"mean"``) over the held slots of the same chunk (``group`` ``[B, H, N]`` int64, non-decreasing in position: ``pos // c`` for fixed chunks, the
     start of the sentence piece for sentences; ``pos`` ``[B, H, N]``, ``-1`` = empty, which gets 0).
 
     Fixed-shape, for the compiled decode step: the slots sorted by position, where each chunk is a run,
-    and each run's sum read off a cumulative sum at the run's two ends."""
+    and each run's sum (and length) read off a cumulative sum at the run's two ends."""
     batch, heads, n_slots = score.shape
     held = pos >= 0
     order = pos.masked_fill(~held, LAST).argsort(-1)  # held slots first, by position
@@ -292,4 +304,6 @@ def sum_by_group(score: torch.Tensor, pos: torch.Tensor, group: torch.Tensor) ->
     total = ranked.cumsum(-1)
     before = torch.where(first > 0, total.gather(-1, (first - 1).clamp(min=0)), 0.0)
     summed = total.gather(-1, last) - before
+    if reduce == "mean":
+        summed = summed / (last - first + 1)  # held slots sort first, so a held run counts held slots only
     return torch.empty_like(summed).scatter_(-1, order, summed).masked_fill(~held, 0.0)
