@@ -163,3 +163,29 @@ def test_other_policies_ignore_the_tokenizer():
             outs.append(model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
                                        pad_token_id=0))
     assert torch.equal(*outs)
+
+
+def test_beam_reorder_moves_each_rows_last_sentence_end():
+    """Rows [0, 1] reordered to [1, 1] after the prompt (as beam search does) then decoded equal rows
+    [1, 1] fed from the start: the sentence a decoded token continues is its new row's."""
+    from evictlayers.hf.cache import EvictionLayer
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 1, 20, 8) for _ in range(3))
+    marks = torch.zeros(2, 20, dtype=torch.bool)
+    marks[0, 10], marks[1, 4] = True, True  # the rows' last ends before the decode steps differ
+    policy = el.Policy(el.HeavyHitterSelector(el.KeyNorm(), chunk="sentence", sentence_cap=4), budget=8)
+
+    def store_after(rows, reorder=None):
+        layer = EvictionLayer(policy)
+        layer.store.step(q[rows, :, :12], k[rows, :, :12], v[rows, :, :12], scaling=0.3, sentence_ends=marks[rows, :12])
+        if reorder is not None:
+            layer.reorder_cache(torch.tensor(reorder))
+        for i in range(12, 20):
+            layer.store.step(q[[1, 1], :, i : i + 1], k[[1, 1], :, i : i + 1], v[[1, 1], :, i : i + 1], scaling=0.3,
+                             sentence_ends=marks[[1, 1], i : i + 1])
+        return layer.store
+
+    reordered, direct = store_after([0, 1], reorder=[1, 1]), store_after([1, 1])
+    assert torch.equal(reordered.pos, direct.pos)
+    assert torch.equal(reordered.state["sentence_start"], direct.state["sentence_start"])
