@@ -122,7 +122,7 @@ class HeavyHitterSelector(Selector):
         if isinstance(sentence_cap, bool) or not isinstance(sentence_cap, int) or sentence_cap < 1:
             raise ValueError(f"HeavyHitterSelector(sentence_cap={sentence_cap!r}): the longest sentence chunk must "
                              "be an int >= 1 (tokens)")
-        if sentence_cap != 32 and chunk != self.SENTENCE:
+        if sentence_cap != self.DEFAULTS["sentence_cap"] and chunk != self.SENTENCE:
             raise ValueError(f"HeavyHitterSelector(sentence_cap={sentence_cap!r}) caps sentence chunks: it needs "
                              f"chunk='sentence' (got chunk={chunk!r})")
         self.accumulator = accumulator
