@@ -122,7 +122,8 @@ def test_apply_marks_sentences_from_the_input_ids():
         for layer in cache.layers:
             store = layer.store
             pos = store.pos[row, 0]
-            got = {int(p): int(s) for p, s in zip(pos.tolist(), store.state["sentence_start"][row, 0].tolist()) if p >= 0}
+            starts = store.state["sentence_start"][row, 0].tolist()
+            got = {int(p): int(s) for p, s in zip(pos.tolist(), starts) if p >= 0}
             assert got == dict(enumerate(expected))
 
 

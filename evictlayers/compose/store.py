@@ -99,7 +99,8 @@ class SlotStore:
         self.ranks: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.seen: torch.Tensor | None = None  # [B] real tokens per row
-        # chunk="sentence": [B] the position of each row's last sentence end so far (-1: none yet)
+        # chunk="sentence": [B] the position of each row's last sentence end so far (-1: none yet); None for
+        # a policy that does not rank sentences, so the steps need not ask the policy again
         self.last_sentence_end: torch.Tensor | None = None
         self.budget: torch.Tensor | None = None  # [B] tokens per head, None = unbounded
         self.seq_len = 0  # columns fed so far, padding included (what transformers calls tokens seen)
@@ -271,6 +272,8 @@ class SlotStore:
             # sizes its own sliding cache layers by it even where a model's mask does not slide)
             self.budget = self._layer_budget(real.sum(1), self.window or sliding_window)
             self._allocate_sketch(key, value, sliding_window)
+            if self.policy.reads_sentences:
+                self.last_sentence_end = torch.full_like(self.seen, -1)
         elif self.seen.shape[0] != batch:
             raise ValueError(f"this cache holds {self.seen.shape[0]} sequences but the step has batch size {batch}")
         if sinks is not None and self.sketch is not None:
@@ -278,14 +281,13 @@ class SlotStore:
                 "a ClusterSketch cannot be merged with learned attention sinks (the model passes "
                 "s_aux/sinks): use a policy without the sketch for this model"
             )
+        sentence_start = self._sentence_starts(real, sentence_ends)
         if q_len == 1 and self.kv is not None:
-            starts = self._sentence_starts(torch.where(real, self.seen[:, None], -1), sentence_ends)
             return self._decode(
                 query, key, value, real, scaling=scaling, softcap=softcap, sliding_window=sliding_window, sinks=sinks,
-                sentence_start=starts,
+                sentence_start=sentence_start,
             )
-        query_pos = torch.where(real, self.seen[:, None] + real.long().cumsum(1) - 1, -1)
-        sentence_start = self._sentence_starts(query_pos, sentence_ends)
+        query_pos = self._positions(real)
         new_pos = query_pos[:, None, :].expand(batch, kv_heads, q_len)
         first_new = self.capacity  # the step's tokens follow the held slots in the concatenation
         keys, values, pos, state = self._concatenated(key, value, new_pos)
@@ -353,12 +355,18 @@ class SlotStore:
             budget = cap if budget is None else torch.minimum(budget, cap)
         return budget
 
-    def _sentence_starts(self, query_pos: torch.Tensor, sentence_ends: torch.Tensor | None) -> torch.Tensor | None:
+    def _positions(self, real: torch.Tensor) -> torch.Tensor:
+        """``[B, Q]`` int64 original position of each of the step's tokens, ``-1`` for padding (``real``
+        ``[B, Q]``); read before ``seen`` counts the step."""
+        return torch.where(real, self.seen[:, None] + real.long().cumsum(1) - 1, -1)
+
+    def _sentence_starts(self, real: torch.Tensor, sentence_ends: torch.Tensor | None) -> torch.Tensor | None:
         """``[B, Q]`` int64: where each of the step's tokens' sentence starts (the position after the last
         sentence end before it, 0 for the first sentence), for a policy that ranks sentences; ``None`` for
-        any other. ``query_pos`` ``[B, Q]`` (``-1`` = padding, which neither ends nor starts a sentence)."""
-        if not self.policy.reads_sentences:
+        any other, which pay nothing here. Padding neither ends nor starts a sentence."""
+        if self.last_sentence_end is None:
             return None
+        query_pos = self._positions(real)
         if sentence_ends is None:
             raise ValueError(
                 "the policy ranks sentences (HeavyHitterSelector(chunk='sentence')), so each step needs its "
@@ -370,8 +378,6 @@ class SlotStore:
                 f"sentence_ends must be a [B, Q] = {list(query_pos.shape)} bool tensor, got "
                 f"{list(sentence_ends.shape)} {sentence_ends.dtype}"
             )
-        if self.last_sentence_end is None:
-            self.last_sentence_end = torch.full_like(query_pos[:, 0], -1)
         # a padding token's position is -1, the same as "no end", so padding never ends a sentence
         ends = torch.where(sentence_ends.to(query_pos.device), query_pos, -1)
         through = torch.maximum(ends.cummax(1).values, self.last_sentence_end[:, None])  # last end at or before

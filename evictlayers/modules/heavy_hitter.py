@@ -70,8 +70,8 @@ class HeavyHitterSelector(Selector):
     """
 
     param_names = (
-        "accumulator", "transform", "prior", "pool", "pool_reduce", "pool_side", "chunk", "sentence_cap", "chunk_reduce",
-        "scope", "share",
+        "accumulator", "transform", "prior", "pool", "pool_reduce", "pool_side", "chunk", "sentence_cap",
+        "chunk_reduce", "scope", "share",
     )
     CHUNK_REDUCTIONS = ("sum", "mean")
     SENTENCE = "sentence"
@@ -125,15 +125,17 @@ class HeavyHitterSelector(Selector):
         if sentence_cap != self.DEFAULTS["sentence_cap"] and chunk != self.SENTENCE:
             raise ValueError(f"HeavyHitterSelector(sentence_cap={sentence_cap!r}) caps sentence chunks: it needs "
                              f"chunk='sentence' (got chunk={chunk!r})")
+        if chunk_reduce not in self.CHUNK_REDUCTIONS:
+            raise ValueError(
+                f"HeavyHitterSelector(chunk_reduce={chunk_reduce!r}): expected one of {self.CHUNK_REDUCTIONS}"
+            )
+        if chunk_reduce != "sum" and chunk == 1:
+            raise ValueError(f"HeavyHitterSelector(chunk_reduce={chunk_reduce!r}) reduces chunks: it needs chunk >= 2 "
+                             "or chunk='sentence' (got chunk=1)")
         self.accumulator = accumulator
         self.transform = transform
         self.prior = prior
         self.pool, self.pool_reduce, self.pool_side = pool, pool_reduce, pool_side
-        if chunk_reduce not in self.CHUNK_REDUCTIONS:
-            raise ValueError(f"HeavyHitterSelector(chunk_reduce={chunk_reduce!r}): expected one of {self.CHUNK_REDUCTIONS}")
-        if chunk_reduce != "sum" and chunk == 1:
-            raise ValueError(f"HeavyHitterSelector(chunk_reduce={chunk_reduce!r}) reduces chunks: it needs chunk >= 2 "
-                             "or chunk='sentence' (got chunk=1)")
         self.chunk, self.sentence_cap, self.chunk_reduce = chunk, sentence_cap, chunk_reduce
         self.scope, self.share = scope, share
 
@@ -216,13 +218,7 @@ class HeavyHitterSelector(Selector):
         self.accumulator.update(state, observation, view)
         if self.prior is not None:
             self.prior.update(state, observation, view)
-        if self.reads_sentences:
-            if observation.sentence_start is None or observation.inserted is None:
-                raise ValueError(
-                    "HeavyHitterSelector(chunk='sentence') needs each new token's sentence start; under "
-                    "evictlayers.apply pass the model's tokenizer (evictlayers.apply(model, policy, tokenizer=...)) "
-                    "and feed input_ids, not inputs_embeds"
-                )
+        if self.reads_sentences:  # the slot store gives every step's sentence starts (and says when it cannot)
             inserted = observation.inserted
             start = observation.sentence_start[:, None, :].expand(inserted.shape).to(torch.float32)
             state[self.SENTENCE_START].scatter_(2, inserted, start)
@@ -283,8 +279,9 @@ def pool_by_position(score: torch.Tensor, pos: torch.Tensor, width: int, reduce:
 
 def reduce_by_group(score: torch.Tensor, pos: torch.Tensor, group: torch.Tensor, reduce: str = "sum") -> torch.Tensor:
     """``score`` ``[B, H, N]`` replaced, for each held slot, by the sum (``reduce="sum"``) or the mean
-    (``"mean"``) over the held slots of the same chunk (``group`` ``[B, H, N]`` int64, non-decreasing in position: ``pos // c`` for fixed chunks, the
-    start of the sentence piece for sentences; ``pos`` ``[B, H, N]``, ``-1`` = empty, which gets 0).
+    (``"mean"``) over the held slots of the same chunk (``group`` ``[B, H, N]`` int64, non-decreasing in
+    position: ``pos // c`` for fixed chunks, the start of the sentence piece for sentences; ``pos``
+    ``[B, H, N]``, ``-1`` = empty, which gets 0).
 
     Fixed-shape, for the compiled decode step: the slots sorted by position, where each chunk is a run,
     and each run's sum (and length) read off a cumulative sum at the run's two ends."""
