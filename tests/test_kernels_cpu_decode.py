@@ -80,3 +80,36 @@ def test_compiles_into_one_graph_for_every_slot_count():
         torch.testing.assert_close(got.out, want.out, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(got.lse, want.lse, rtol=1e-4, atol=1e-5)
     assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+@pytest.mark.parametrize("n_slots,groups,dtype", [(37, 1, torch.float32), (130, 3, torch.float32), (65, 4, torch.bfloat16)],
+                         ids=["n37-g1", "n130-g3", "n65-g4-bf16"])
+def test_every_slot_visible_takes_the_unmasked_op_and_matches_naive(n_slots, groups, dtype, monkeypatch):
+    """``all_visible=True`` (a full cache in position order, sliced to its tokens): the op is called without
+    a mask, and output and LSE are the naive's, which masks as always. Slots are unordered on purpose:
+    the promise is visibility, not order."""
+    g = torch.Generator().manual_seed(n_slots)
+    batch, kv_heads, head_dim = 2, 2, 24
+    query = torch.randn(batch, kv_heads * groups, head_dim, generator=g).to(dtype)
+    key = torch.randn(batch, kv_heads, n_slots, head_dim, generator=g).to(dtype)
+    value = torch.randn(batch, kv_heads, n_slots, head_dim, generator=g).to(dtype)
+    key_pos = torch.stack([torch.randperm(n_slots, generator=g) for _ in range(batch * kv_heads)]).view(
+        batch, kv_heads, n_slots)
+    query_pos = torch.full((batch,), n_slots - 1)
+    calls = []
+    real_flash = decode_cpu._FLASH
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("attn_mask"))
+        return real_flash(*args, **kwargs)
+
+    monkeypatch.setattr(decode_cpu, "_FLASH", spy)
+    kwargs = dict(scaling=0.3, need_mass=False)
+    with poisoned_empty():
+        got = decode_attention_with_mass_cpu(query, key, value, query_pos, key_pos, **kwargs, all_visible=True)
+    want = decode_attention_with_mass(query, key, value, query_pos, key_pos, **kwargs)
+    assert calls == [None]
+    assert got.out.dtype == dtype and (got.mass == 0).all() and got.mass.shape == want.mass.shape
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.out.float(), want.out.float(), rtol=1e-4, atol=atol)
+    torch.testing.assert_close(got.lse, want.lse, rtol=1e-4, atol=atol)

@@ -23,7 +23,7 @@ from evictlayers.compose.positions import RotaryTable, rotate_at, rotate_queries
 from evictlayers.compose.sketching import merge_sketch
 from evictlayers.core import Component
 from evictlayers.core.slots import along_slots, pad_slots
-from evictlayers.kernels import apply_attention_sinks, prefill_attention
+from evictlayers.kernels import apply_attention_sinks, decode_attention, prefill_attention
 from evictlayers.modules.cluster_sketch import CoinTable, SketchState
 from evictlayers.scoring import Observation, SlotView
 
@@ -108,6 +108,9 @@ class SlotStore:
         self.sketch: SketchState | None = None
         self._coins: CoinTable | None = None  # the sketch's coins for the next decode steps
         self._coin_room = 0  # decode steps the coin table still covers
+        # a full cache of unpadded rows, where nothing scores: slots [0, filled) hold every row's tokens in
+        # position order at every head and later slots are empty (None: not such a cache, or no longer)
+        self.filled: int | None = None
 
     # ---- sizes ---------------------------------------------------------------------------------
 
@@ -290,6 +293,7 @@ class SlotStore:
         query_pos = self._positions(real)
         new_pos = query_pos[:, None, :].expand(batch, kv_heads, q_len)
         first_new = self.capacity  # the step's tokens follow the held slots in the concatenation
+        gapless = self.kv is None or self.filled == first_new  # no empty slot before the step's tokens
         keys, values, pos, state = self._concatenated(key, value, new_pos)
 
         # a later multi-token step (chunked prefill) after tokens were absorbed merges the sketch as a
@@ -340,6 +344,7 @@ class SlotStore:
         self._keep_best(slots, pos, state, view)
         if self.policy.positions == "rolling":
             self.ranks = slot_ranks(self.pos)
+        self.filled = self.seq_len if gapless and self._in_order(key, real) else None
         return out
 
     def _layer_budget(self, prompt_len: torch.Tensor, sliding_window: int | None) -> torch.Tensor | None:
@@ -391,6 +396,9 @@ class SlotStore:
             # only an unbounded (full) cache can run out of free slots (it holds at most seq_len tokens):
             # it grows between steps, outside any compiled graph (growth_slots says by how much)
             self._grow(growth_slots(self.capacity))
+        if self.filled is not None and self._in_order(key, real):
+            return self._decode_in_order(query, key, value, **attention_kwargs)
+        self.filled = None
         step = compiled_decode_step() if self.compile else decode_step
         table = None
         if self.policy.positions == "rolling":  # ranks stay below the capacity
@@ -403,6 +411,43 @@ class SlotStore:
                 f"a component needs something torch.compile(fullgraph=True) cannot trace ({error}). Run it "
                 "with compile=False, or make the component's per-step code fixed-shape"
             ) from error
+        self.seq_len += 1
+        return out
+
+    def _in_order(self, key: torch.Tensor, real: torch.Tensor) -> bool:
+        """Whether this step keeps the slots in position order with no gap (``filled``): a full cache (a
+        sliding window or a sketch comes with a budget) of dense keys on CPU, no rolling positions, nothing
+        that scores, and no padding in the step (one host read of ``real``, free on CPU)."""
+        policy = self.policy
+        return (
+            self.budget is None and key.device.type == "cpu" and policy.positions != "rolling"
+            and not policy.state_specs and not policy.head_state_specs and self.kv.free_dense and bool(real.all())
+        )
+
+    def _decode_in_order(
+        self, query, key, value, *, scaling: float, softcap: float | None, sliding_window: int | None,
+        sinks: torch.Tensor | None, sentence_start: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """``decode_step`` for a cache kept in position order (``filled``), where nothing is scored or
+        evicted: the token goes to slot ``filled`` and attention reads the slots up to it, every one
+        visible, so the CPU kernel builds no mask (as transformers' SDPA call) and no slot is searched.
+        Eager whether or not the store compiles: the few ops cost less than a compiled graph's call."""
+        slot = torch.full(key.shape[:2], self.filled, dtype=torch.long, device=key.device)
+        self.kv.write(slot, key[:, :, 0], value[:, :, 0], self.seen[:, None].expand_as(slot))
+        self.pos[:, :, self.filled] = self.seen[:, None]
+        query_pos = self.seen
+        self.seen = self.seen + 1
+        self.filled += 1
+        keys, values = self.kv.dense()
+        held = slice(0, self.filled)
+        attention = decode_attention(
+            query[:, :, 0], keys[:, :, held], values[:, :, held], query_pos, self.pos[:, :, held],
+            scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=self.policy.gqa_reduce,
+            need_mass=False, all_visible=True,
+        )
+        out = attention.out[:, :, None]
+        if sinks is not None:
+            out = apply_attention_sinks(out, attention.lse[:, :, None], sinks)
         self.seq_len += 1
         return out
 

@@ -257,23 +257,31 @@ def _check_call(module: nn.Module, where: str, index: int) -> None:
             f"{where}, layer {index}: {name} attends bidirectionally (is_causal=False); "
             "evictlayers serves causal attention"
         )
-    source = _forward_source(cls)
-    tree = ast.parse(source) if source else None
-    calls = [
-        node for node in (ast.walk(tree) if tree is not None else ())
-        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "attention_interface"
-    ]
+    calls = _attention_calls(cls)
     if len(calls) > 1:
         raise UnsupportedModelError(
             f"{where}, layer {index}: {cls.__name__} calls the attention function {len(calls)} times per forward "
             "(e.g. differential attention), over one cache update; evictlayers serves one attention per layer"
         )
-    for node in calls:
-        for keyword in node.keywords:
-            if keyword.arg is None or keyword.arg in HONOURED_KEYWORDS:
+    for keywords in calls:
+        for keyword in keywords:
+            if keyword is None or keyword in HONOURED_KEYWORDS:
                 continue
-            meaning = REFUSED_KEYWORDS.get(keyword.arg, "an argument evictlayers' attention does not implement")
+            meaning = REFUSED_KEYWORDS.get(keyword, "an argument evictlayers' attention does not implement")
             raise UnsupportedModelError(
-                f"{where}, layer {index}: {cls.__name__} passes {keyword.arg}= to the attention function: "
+                f"{where}, layer {index}: {cls.__name__} passes {keyword}= to the attention function: "
                 f"{meaning}; evictlayers refuses rather than silently ignore it"
             )
+
+
+@functools.lru_cache(maxsize=None)
+def _attention_calls(cls: type) -> tuple[tuple[str | None, ...], ...]:
+    """The keyword names (``None`` for ``**kwargs``) of each ``attention_interface(...)`` call in the
+    ``forward`` that ``cls`` runs; parsed once per class, not once per layer and ``apply``."""
+    source = _forward_source(cls)
+    tree = ast.parse(source) if source else None
+    return tuple(
+        tuple(keyword.arg for keyword in node.keywords)
+        for node in (ast.walk(tree) if tree is not None else ())
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "attention_interface"
+    )

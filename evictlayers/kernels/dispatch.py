@@ -104,20 +104,26 @@ def decode_attention(
     gqa_reduce: str = "sum",
     score_gain: torch.Tensor | None = None,
     need_mass: bool = True,
+    all_visible: bool = False,
 ) -> DecodeAttention:
     """Decode attention with mass and LSE on the chosen backend; ``decode/naive.py`` documents the arguments.
 
     ``need_mass=False`` (the caller reads the output and LSE only): every backend skips the mass and
-    returns it as zeros."""
+    returns it as zeros. ``all_visible=True``: the caller promises that every slot holds a token the
+    query may see (``decode/cpu.py`` then builds no mask); the other backends mask as always, which gives
+    the same result while the promise holds."""
     backend = decode_backend(query)
+    options = dict(
+        scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=gqa_reduce,
+        score_gain=score_gain, need_mass=need_mass,
+    )
+    if backend == "cpu":
+        return decode_attention_with_mass_cpu(query, key, value, query_pos, key_pos, all_visible=all_visible, **options)
     if backend == "triton":
         from evictlayers.kernels.decode.triton import decode_attention_with_mass_triton as kernel
     else:
-        kernel = decode_attention_with_mass_cpu if backend == "cpu" else decode_attention_with_mass
-    return kernel(
-        query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap,
-        sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain, need_mass=need_mass,
-    )
+        kernel = decode_attention_with_mass
+    return kernel(query, key, value, query_pos, key_pos, **options)
 
 
 def quantized_decode_attention(

@@ -6,7 +6,10 @@ only, which is what ``_scaled_dot_product_flash_attention_for_cpu`` returns (the
 SDPA path runs): blocks of slots with an online softmax, no ``[B, H, N]`` probabilities written and read
 back. The ``G`` query heads of a GQA group are the op's ``G`` query rows over their KV head, so nothing
 is expanded or copied; visibility (filled, not in the future, inside the window) is an additive
-``0 / -inf`` bias shared by the group's rows. Where the mass is wanted, or where the op cannot express
+``0 / -inf`` bias shared by the group's rows, left out where the caller promises every slot is visible
+(``all_visible``: a full cache whose slots hold the row's tokens in order, sliced to them), which takes the
+op's unmasked path as transformers' call does (measured on the embedded model at 4,096 slots, one
+thread: ~10% less time per call than the masked one, before the bias it no longer builds). Where the mass is wanted, or where the op cannot express
 the call (softcap, value heads of another size than the keys), this backend is ``naive.py`` itself:
 logits once for output and mass.
 """
@@ -34,9 +37,14 @@ def decode_attention_with_mass_cpu(
     gqa_reduce: str = "sum",
     score_gain: torch.Tensor | None = None,
     need_mass: bool = True,
+    all_visible: bool = False,
 ) -> DecodeAttention:
     """``naive.py``'s ``decode_attention_with_mass`` through the fused op when the mass is not wanted; see
-    it for the arguments."""
+    it for the arguments.
+
+    ``all_visible``: the caller's promise that every slot holds a token every query row may see (none
+    empty, none past the query, none outside a window, no padding query), so no mask is built; the
+    result is the same as without it whenever the promise holds."""
     if need_mass or softcap is not None or value.shape[-1] != key.shape[-1]:
         return decode_attention_with_mass(
             query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap, sliding_window=sliding_window,
@@ -45,13 +53,19 @@ def decode_attention_with_mass_cpu(
     groups = check_inputs(query, key, value, query_pos, key_pos, gqa_reduce=gqa_reduce, score_gain=score_gain)
     batch, q_heads, head_dim = query.shape
     kv_heads, n_slots = key_pos.shape[1:]
+    grouped = query.view(batch, kv_heads, groups, head_dim).to(key.dtype)
+    if all_visible:
+        out, lse = _FLASH(grouped, key, value, scale=scaling)
+        return DecodeAttention(
+            out.reshape(batch, q_heads, -1).to(query.dtype), no_mass(batch, kv_heads, n_slots, query.device),
+            lse.float().reshape(batch, q_heads),
+        )
     q_pos = query_pos[:, None, None]
     visible = (key_pos >= 0) & (key_pos <= q_pos) & (q_pos >= 0)
     if sliding_window is not None:
         visible &= q_pos - key_pos < sliding_window
     bias = torch.where(visible, 0.0, float("-inf")).to(key.dtype)[:, :, None, :].expand(-1, -1, groups, -1)
-    out, lse = _FLASH(query.view(batch, kv_heads, groups, head_dim).to(key.dtype), key, value, attn_mask=bias,
-                      scale=scaling)
+    out, lse = _FLASH(grouped, key, value, attn_mask=bias, scale=scaling)
     # a row that sees nothing (a padding query): the op's output and LSE for it are not the contract's
     seeing = visible.any(-1)[:, :, None]  # [B, H_kv, 1]
     out = torch.where(seeing[..., None], out, 0.0)
