@@ -31,6 +31,21 @@ def random_ids(batch, length, seed):
     return torch.randint(3, 60, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+def unpadded(batch):
+    """The attention mask of ``batch`` unpadded rows, as a function of the tokens seen."""
+    return lambda seen: torch.ones(batch, seen, dtype=torch.long)
+
+
+def full_cache_against_unmodified(model, chunks, mask_of, compile=False):
+    """``(logits under a full evictlayers cache, the unmodified model's logits, that cache)``."""
+    with torch.no_grad():
+        want = feed(model, chunks, DynamicCache(config=model.config), mask_of)
+        with el.apply(model, el.Policy(budget=None), compile=compile) as run:
+            cache = run.new_cache()
+            got = feed(model, chunks, cache, mask_of)
+    return got, want, cache
+
+
 @pytest.fixture
 def flash_masks(monkeypatch):
     """The ``attn_mask`` of every decode-kernel call of the fused op, in call order."""
@@ -64,14 +79,9 @@ def test_unpadded_full_cache_decodes_in_order_as_the_unmodified_model(compile, f
     model = build("llama", "sdpa")
     prompt = random_ids(2, 9, seed=0)
     steps = [random_ids(2, 1, seed=1 + i) for i in range(70)]  # past the first growth of the 9 slots
-    mask_of = lambda seen: torch.ones(2, seen, dtype=torch.long)  # noqa: E731
-    with torch.no_grad():
-        want = feed(model, [prompt, *steps], DynamicCache(config=model.config), mask_of)
-        torch._dynamo.reset()
-        counters.clear()
-        with el.apply(model, el.Policy(budget=None), compile=compile) as run:
-            cache = run.new_cache()
-            got = feed(model, [prompt, *steps], cache, mask_of)
+    torch._dynamo.reset()
+    counters.clear()
+    got, want, cache = full_cache_against_unmodified(model, [prompt, *steps], unpadded(2), compile=compile)
     torch.testing.assert_close(got, want, **TOL)
     layers = model.config.num_hidden_layers
     assert len(flash_masks) == layers * len(steps) and all(mask is None for mask in flash_masks)
@@ -88,11 +98,7 @@ def test_a_padded_batch_takes_the_general_step(flash_masks, general_steps):
     ids, mask = left_padded([9, 6])
     steps = [random_ids(2, 1, seed=10 + i) for i in range(5)]
     mask_of = lambda seen: torch.cat([mask, torch.ones(2, seen - mask.shape[1], dtype=torch.long)], 1)  # noqa: E731
-    with torch.no_grad():
-        want = feed(model, [ids, *steps], DynamicCache(config=model.config), mask_of)
-        with el.apply(model, el.Policy(budget=None)) as run:
-            cache = run.new_cache()
-            got = feed(model, [ids, *steps], cache, mask_of)
+    got, want, cache = full_cache_against_unmodified(model, [ids, *steps], mask_of)
     torch.testing.assert_close(got, want, **TOL)
     layers = model.config.num_hidden_layers
     assert general_steps[0] == layers * len(steps) and all(mask is not None for mask in flash_masks)
@@ -105,12 +111,7 @@ def test_a_chunk_after_the_cache_grew_leaves_the_in_order_path(flash_masks, gene
     model = build("llama", "sdpa")
     chunks = [random_ids(2, 6, seed=20), *[random_ids(2, 1, seed=21 + i) for i in range(3)], random_ids(2, 4, seed=30),
               *[random_ids(2, 1, seed=31 + i) for i in range(3)]]
-    mask_of = lambda seen: torch.ones(2, seen, dtype=torch.long)  # noqa: E731
-    with torch.no_grad():
-        want = feed(model, chunks, DynamicCache(config=model.config), mask_of)
-        with el.apply(model, el.Policy(budget=None)) as run:
-            cache = run.new_cache()
-            got = feed(model, chunks, cache, mask_of)
+    got, want, cache = full_cache_against_unmodified(model, chunks, unpadded(2))
     torch.testing.assert_close(got, want, **TOL)
     layers = model.config.num_hidden_layers
     assert general_steps[0] == layers * 3  # the three steps after the chunk
@@ -122,12 +123,7 @@ def test_a_chunk_before_any_growth_stays_in_order(general_steps):
     """Two prefill chunks on an empty cache leave no gap (the second is appended right after the first)."""
     model = build("llama", "sdpa")
     chunks = [random_ids(1, 5, seed=40), random_ids(1, 7, seed=41), *[random_ids(1, 1, seed=42 + i) for i in range(4)]]
-    mask_of = lambda seen: torch.ones(1, seen, dtype=torch.long)  # noqa: E731
-    with torch.no_grad():
-        want = feed(model, chunks, DynamicCache(config=model.config), mask_of)
-        with el.apply(model, el.Policy(budget=None)) as run:
-            cache = run.new_cache()
-            got = feed(model, chunks, cache, mask_of)
+    got, want, cache = full_cache_against_unmodified(model, chunks, unpadded(1))
     torch.testing.assert_close(got, want, **TOL)
     assert general_steps[0] == 0 and all(layer.store.filled == 16 for layer in cache.layers)
 
@@ -137,10 +133,9 @@ def test_a_scoring_store_never_takes_the_in_order_path(general_steps):
     model = build("llama", "sdpa")
     scoring = el.Policy(el.HeavyHitterSelector(el.Cumulative()), budget=None)
     chunks = [random_ids(1, 6, seed=50), random_ids(1, 1, seed=51)]
-    mask_of = lambda seen: torch.ones(1, seen, dtype=torch.long)  # noqa: E731
     with torch.no_grad(), el.apply(model, scoring) as run:
         cache = run.new_cache()
-        feed(model, chunks, cache, mask_of)
+        feed(model, chunks, cache, unpadded(1))
     assert general_steps[0] == model.config.num_hidden_layers
     assert all(layer.store.filled is None for layer in cache.layers)
 
@@ -151,12 +146,7 @@ def test_sliding_layers_take_the_general_step_and_full_layers_stay_in_order(gene
     model = build("gemma2", "eager")
     window = model.config.sliding_window
     chunks = [random_ids(1, window - 2, seed=60), *[random_ids(1, 1, seed=61 + i) for i in range(6)]]
-    mask_of = lambda seen: torch.ones(1, seen, dtype=torch.long)  # noqa: E731
-    with torch.no_grad():
-        want = feed(model, chunks, DynamicCache(config=model.config), mask_of)
-        with el.apply(model, el.Policy(budget=None)) as run:
-            cache = run.new_cache()
-            got = feed(model, chunks, cache, mask_of)
+    got, want, cache = full_cache_against_unmodified(model, chunks, unpadded(1))
     torch.testing.assert_close(got, want, **TOL)
     kinds = model.config.layer_types
     assert general_steps[0] == kinds.count("sliding_attention") * 6

@@ -431,7 +431,8 @@ class SlotStore:
         """``decode_step`` for a cache kept in position order (``filled``), where nothing is scored or
         evicted: the token goes to slot ``filled`` and attention reads the slots up to it, every one
         visible, so the CPU kernel builds no mask (as transformers' SDPA call) and no slot is searched.
-        Eager whether or not the store compiles: the few ops cost less than a compiled graph's call."""
+        Eager whether or not the store compiles: the few ops cost less than a compiled graph's call.
+        ``sentence_start`` is not read: nothing here ranks sentences."""
         slot = torch.full(key.shape[:2], self.filled, dtype=torch.long, device=key.device)
         self.kv.write(slot, key[:, :, 0], value[:, :, 0], self.seen[:, None].expand_as(slot))
         self.pos[:, :, self.filled] = self.seen[:, None]
