@@ -52,6 +52,7 @@ class Settings:
     model: str = DEFAULT_MODEL  # a key of MODELS
     prompts: tuple[int, ...] | None = None  # ``--prompts``: decode/prefill prompt lengths instead of their own
     configs: tuple[str, ...] | None = None  # ``--configs``: run only these configurations
+    interleave: bool = False  # ``--interleave``: decode rows timed in blocks alternating with the baseline's
 
     def wants(self, config: str) -> bool:
         """Whether ``--configs`` (if given) lets configuration ``config`` run."""

@@ -23,15 +23,20 @@ Beside it:
   measured in the same run on the same threads (``read_bandwidth``), and ``of_limit``, the share of it
   the row reaches;
 - ``vs_fastest_hf``: tokens/s over the fastest transformers configuration of the same prompt and batch
-  in the run (``hf-*`` rows), what a user would otherwise run at its best.
+  in the run (``hf-*`` rows), what a user would otherwise run at its best;
+- with ``--interleave``, ``vs_hf_sdpa_beside``: the row's blocks alternate with blocks of ``hf-sdpa``
+  decoding beside it from its own cache, and this is the median over those pairs of the row's tokens/s
+  over the baseline's (``beside_range`` their range). Rows timed one after the other carry whatever the
+  shared host did meanwhile; a pair's two blocks see the same host.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from contextlib import ExitStack
+from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -52,6 +57,7 @@ from benchmarks.loop import (
     PrefillMemo,
     attention_implementation,
     kv_resident_bytes,
+    prefill_family,
     static_copy,
     tiled,
 )
@@ -118,37 +124,75 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return data.nbytes / statistics.median(seconds)
 
 
+@dataclass
+class Side:
+    """One configuration ready to decode: ``enter()`` the context its steps run in (the attention
+    implementation, or ``evictlayers.apply``), its loop and its cache."""
+
+    enter: Callable[[], AbstractContextManager]
+    loop: DecodeLoop
+    cache: object
+
+
+def prepare(context: Context, config: str, source: Prefilled, batch: int, plan: Plan) -> Side:
+    """The decode loop of ``config`` from a copy of ``source`` tiled to ``batch`` rows."""
+    model = context.subject.model
+    if config in ("hf-eager", "hf-sdpa"):
+        enter, forward = lambda: attention_implementation(model, config.removeprefix("hf-")), model
+        cache = tiled(source.cache, batch)
+    elif config == "hf-static-compiled":
+        enter = lambda: attention_implementation(model, "sdpa")  # noqa: E731
+        forward = model.get_compiled_call(None)  # generate()'s compiled forward for a static cache
+        cache = static_copy(model, source.cache, batch, source.prompt + plan.total)
+    else:
+        import evictlayers as el
+
+        compiled = config.endswith("-compiled")
+        enter, forward = lambda: el.apply(model, source.policy, compile=compiled), model
+        cache = tiled(source.cache, batch, keep=[source.policy])
+        for layer in cache.layers:
+            # the shared prefill ran eagerly (prefill always does); decode the copy as configured
+            layer.store.compile = compiled
+    return Side(enter, DecodeLoop(model, forward, cache, source.token.expand(batch, 1), source.prompt, plan.total), cache)
+
+
 def decode(context: Context, config: str, source: Prefilled, batch: int, plan: Plan):
     """Time the decode loop of one configuration; returns ``(seconds per step per block, graphs compiled
     while timed, cache)`` or a string saying why the configuration cannot run."""
-    model = context.subject.model
     with torch.inference_mode(), ExitStack() as stack:
-        if config in ("hf-eager", "hf-sdpa"):
-            stack.enter_context(attention_implementation(model, config.removeprefix("hf-")))
-            forward, cache = model, tiled(source.cache, batch)
-        elif config == "hf-static-compiled":
-            stack.enter_context(attention_implementation(model, "sdpa"))
-            forward = model.get_compiled_call(None)  # generate()'s compiled forward for a static cache
-            cache = static_copy(model, source.cache, batch, source.prompt + plan.total)
-        else:
-            import evictlayers as el
+        side = prepare(context, config, source, batch, plan)
+        try:
+            stack.enter_context(side.enter())
+        except TypeError as error:
+            return f"evictlayers.apply(compile=...) is not available: {error}"
+        return *timed_blocks(side.loop, plan.warmup, plan.steps, plan.repeats), side.cache
 
-            compiled = config.endswith("-compiled")
-            try:
-                stack.enter_context(el.apply(model, source.policy, compile=compiled))
-            except TypeError as error:
-                return f"evictlayers.apply(compile={compiled}) is not available: {error}"
-            forward, cache = model, tiled(source.cache, batch, keep=[source.policy])
-            for layer in cache.layers:
-                # the shared prefill ran eagerly (prefill always does); decode the copy as configured
-                layer.store.compile = compiled
-        loop = DecodeLoop(model, forward, cache, source.token.expand(batch, 1), source.prompt, plan.total)
-        return *timed_blocks(loop, plan.warmup, plan.steps, plan.repeats), cache
+
+def decode_beside(context: Context, config: str, source: Prefilled, baseline: Prefilled, batch: int, plan: Plan):
+    """``decode`` with each block of ``config`` followed by a block of ``BASELINE`` from its own cache (each
+    side warmed up first, each block inside its own context); returns ``(seconds per step per block,
+    the baseline's, graphs compiled while timed, cache)``."""
+    with torch.inference_mode():
+        mine = prepare(context, config, source, batch, plan)
+        theirs = prepare(context, BASELINE, baseline, batch, plan)
+        compiles = 0
+        for side in (mine, theirs):
+            with side.enter():
+                timed_blocks(side.loop, plan.warmup, 0, 0)
+        ours, base = [], []
+        for _ in range(plan.repeats):
+            for side, blocks in ((mine, ours), (theirs, base)):
+                with side.enter():
+                    seconds, graphs = timed_blocks(side.loop, 0, plan.steps, 1)
+                blocks += seconds
+                compiles += graphs
+        return ours, base, compiles, mine.cache
 
 
 def cases(context: Context) -> list[Case]:
     settings, plan = context.settings, make_plan(context)
     memo = PrefillMemo(context)
+    baselines: dict[int, Prefilled] = {}  # --interleave: the baseline's prefill per prompt, beside every family
     baseline_bytes: dict[tuple[int, int], int] = {}
     fastest_hf: dict[tuple[int, int], float] = {}  # the hf family is measured first for every prompt
     bandwidth: list[float] = []  # measured once, at the first measurement (after the model is loaded)
@@ -159,10 +203,18 @@ def cases(context: Context) -> list[Case]:
         if config.endswith("-compiled") and not settings.compile:
             return skipped(config, params, "--no-compile")
         source = memo.get(family, prompt)
-        result = decode(context, config, source, batch, plan)
-        if isinstance(result, str):
-            return skipped(config, params, result)
-        seconds, timed_compiles, cache = result
+        beside = None
+        if settings.interleave and config != BASELINE:
+            if family != "hf" and prompt not in baselines:
+                baselines[prompt] = prefill_family(context, "hf", prompt)
+            baseline = source if family == "hf" else baselines[prompt]
+            seconds, base_seconds, timed_compiles, cache = decode_beside(context, config, source, baseline, batch, plan)
+            beside = [b / s for s, b in zip(seconds, base_seconds)]  # tokens/s over the baseline's, per pair
+        else:
+            result = decode(context, config, source, batch, plan)
+            if isinstance(result, str):
+                return skipped(config, params, result)
+            seconds, timed_compiles, cache = result
         kv = kv_resident_bytes(cache)
         step_bytes = context.subject.geometry["weight_bytes"] + kv
         if config == BASELINE:
@@ -181,6 +233,9 @@ def cases(context: Context) -> list[Case]:
             "vs_fastest_hf": median / fastest_hf[(prompt, batch)] if family != "hf" and (prompt, batch) in fastest_hf else None,
             "bandwidth_gb_s": bandwidth[0] / 1e9,
         }
+        if beside is not None:
+            info["vs_hf_sdpa_beside"] = statistics.median(beside)
+            info["beside_range"] = f"{min(beside):.2f}-{max(beside):.2f}"
         if config.endswith("-compiled"):
             info["timed_compiles"] = timed_compiles
         return row(config, params, {"tokens_per_s": metric(tokens_per_s, "tokens/s", BASELINE, True)}, info)
@@ -193,7 +248,9 @@ def cases(context: Context) -> list[Case]:
                     first = index == 0 and batch == plan.batches[0]
                     out.append(Case(
                         NAME, config, {"prompt": prompt, "batch": batch},
-                        estimate_case(context, plan, family, prompt, batch, compiled, prefills=first),
+                        estimate_case(context, plan, family, prompt, batch, compiled, prefills=first)
+                        + (estimate_case(context, plan, "hf", prompt, batch, False, prefills=False)
+                           if settings.interleave and config != BASELINE else 0.0),
                         lambda c=config, f=family, p=prompt, b=batch: measure(c, f, p, b),
                     ))
     return out

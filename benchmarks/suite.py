@@ -45,6 +45,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="prompt lengths for decode and prefill instead of their own")
     parser.add_argument("--configs", nargs="+", metavar="CONFIG",
                         help="run only these configurations (e.g. hf-eager el-h2o); a ratio needs its baseline")
+    parser.add_argument("--interleave", action="store_true",
+                        help="decode: time each configuration's blocks alternating with blocks of the baseline "
+                             "(hf-sdpa) decoding beside it, and report the ratio of each pair (vs_hf_sdpa_beside)")
     args = parser.parse_args(argv)
     if args.prompts is not None and min(args.prompts) < 2:
         parser.error("--prompts must be >= 2 tokens")
@@ -188,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     settings = Settings(quick=args.quick, repeats=args.repeats, threads=threads, compile=not args.no_compile,
                         out=args.out or (None if args.quick else RESULTS_DIR), model=args.model,
                         prompts=tuple(args.prompts) if args.prompts else None,
-                        configs=tuple(args.configs) if args.configs else None)
+                        configs=tuple(args.configs) if args.configs else None, interleave=args.interleave)
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:

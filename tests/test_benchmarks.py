@@ -254,3 +254,43 @@ def test_static_copy_of_sliding_window_layers_decodes_as_the_dynamic_cache():
                 loop()
             logits[name] = torch.stack([out.logits[:, -1] for out in steps])
     torch.testing.assert_close(logits["static"], logits["dynamic"], atol=1e-5, rtol=1e-5)
+
+
+def test_interleave_times_each_row_beside_the_baseline(monkeypatch):
+    """``--interleave``: a row's timed blocks alternate with ``hf-sdpa`` blocks from the baseline's own
+    cache (inside its own attention implementation), and ``vs_hf_sdpa_beside`` is the median over those
+    pairs of the row's tokens/s over the baseline's. Block times are faked here (row 0.1 s, baseline
+    0.3 s per step) so the ratio is known: 3."""
+    from transformers import DynamicCache
+
+    from benchmarks import decode as decode_benchmark
+
+    calls = []
+
+    def fake_blocks(loop, warmup, steps, repeats, sync=None):
+        side = "baseline" if type(loop.cache) is DynamicCache else "row"
+        if repeats:
+            calls.append((side, loop.model.config._attn_implementation))
+        return [0.3 if side == "baseline" else 0.1] * repeats, 0
+
+    monkeypatch.setattr(decode_benchmark, "timed_blocks", fake_blocks)
+    returned = main(["--quick", "--no-compile", "--threads", "1", "--only", "decode", "--prompts", "48",
+                     "--configs", "hf-sdpa", "el-h2o", "--interleave", "--repeats", "3"])
+    rows = {(r["config"], r["params"]["batch"]): r for r in returned["benchmarks"]["decode"]["rows"]}
+    for batch in (1, 8):
+        assert "vs_hf_sdpa_beside" not in rows[("hf-sdpa", batch)]["info"]
+        info = rows[("el-h2o", batch)]["info"]
+        assert info["vs_hf_sdpa_beside"] == pytest.approx(3.0) and info["beside_range"] == "3.00-3.00"
+    # per el-h2o row: row (inside evictlayers.apply), baseline (left, under SDPA), three times
+    assert calls[-6:] == [("row", "evictlayers"), ("baseline", "sdpa")] * 3
+
+
+def test_interleave_runs_for_real():
+    returned = main(["--quick", "--no-compile", "--threads", "1", "--only", "decode", "--prompts", "48",
+                     "--configs", "hf-sdpa", "hf-eager", "el-full", "--interleave"])
+    rows = returned["benchmarks"]["decode"]["rows"]
+    for r in rows:
+        if r["config"] == "hf-sdpa":
+            continue
+        low, high = (float(x) for x in r["info"]["beside_range"].split("-"))  # printed to 2 decimals
+        assert 0 < low and low - 0.005 <= r["info"]["vs_hf_sdpa_beside"] <= high + 0.005

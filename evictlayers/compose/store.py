@@ -396,7 +396,8 @@ class SlotStore:
             # only an unbounded (full) cache can run out of free slots (it holds at most seq_len tokens):
             # it grows between steps, outside any compiled graph (growth_slots says by how much)
             self._grow(growth_slots(self.capacity))
-        if self.filled is not None and self._in_order(key, real):
+        # what else _in_order asks cannot change after the first step: only padding can end the order here
+        if self.filled is not None and bool(real.all()):
             return self._decode_in_order(query, key, value, **attention_kwargs)
         self.filled = None
         step = compiled_decode_step() if self.compile else decode_step
