@@ -1,6 +1,8 @@
 """Inputs and checks shared by the kernel tests: odd-shaped slot layouts, NaN-poisoned buffers, and the
 comparison of a backend with the naive reference.
 
+``flash_mask_spy`` records the ``attn_mask`` the CPU decode backend hands the fused op at every call.
+
 ``loop_reference`` is the independent reference the naive kernels are tested against: one query, one
 head, one slot at a time in float64, with the visibility rules written out.
 """
@@ -12,7 +14,22 @@ import math
 
 import torch
 
+from evictlayers.kernels.decode import cpu as decode_cpu
 from evictlayers.kernels.prefill.naive import attention_with_mass
+
+
+def flash_mask_spy(monkeypatch) -> list:
+    """Wrap ``kernels/decode/cpu.py``'s fused op; returns the list its calls' ``attn_mask`` go to, in call
+    order (``None`` for an unmasked call)."""
+    masks = []
+    real = decode_cpu._FLASH
+
+    def spy(*args, **kwargs):
+        masks.append(kwargs.get("attn_mask"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(decode_cpu, "_FLASH", spy)
+    return masks
 
 
 def prefill_inputs(seed, older, new, *, groups=3, kv_heads=2, head_dim=24, v_dim=None, batch=2, dtype=torch.float32):

@@ -11,7 +11,7 @@ from transformers import DynamicCache
 
 import evictlayers as el
 from evictlayers.compose import store as store_module
-from evictlayers.kernels.decode import cpu as decode_cpu
+from kernel_inputs import flash_mask_spy
 from tiny_models import build, left_padded, single_thread  # noqa: F401
 
 TOL = dict(rtol=1e-4, atol=1e-4)
@@ -49,15 +49,7 @@ def full_cache_against_unmodified(model, chunks, mask_of, compile=False):
 @pytest.fixture
 def flash_masks(monkeypatch):
     """The ``attn_mask`` of every decode-kernel call of the fused op, in call order."""
-    masks = []
-    real = decode_cpu._FLASH
-
-    def spy(*args, **kwargs):
-        masks.append(kwargs.get("attn_mask"))
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(decode_cpu, "_FLASH", spy)
-    return masks
+    return flash_mask_spy(monkeypatch)
 
 
 @pytest.fixture

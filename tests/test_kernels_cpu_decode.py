@@ -10,7 +10,7 @@ from torch._dynamo.utils import counters
 from evictlayers.kernels.decode import cpu as decode_cpu
 from evictlayers.kernels.decode.cpu import decode_attention_with_mass_cpu
 from evictlayers.kernels.decode.naive import decode_attention_with_mass
-from kernel_inputs import poisoned_empty, prefill_inputs
+from kernel_inputs import flash_mask_spy, poisoned_empty, prefill_inputs
 from tiny_models import single_thread  # noqa: F401 (autouse fixture)
 
 
@@ -96,14 +96,7 @@ def test_every_slot_visible_takes_the_unmasked_op_and_matches_naive(n_slots, gro
     key_pos = torch.stack([torch.randperm(n_slots, generator=g) for _ in range(batch * kv_heads)]).view(
         batch, kv_heads, n_slots)
     query_pos = torch.full((batch,), n_slots - 1)
-    calls = []
-    real_flash = decode_cpu._FLASH
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("attn_mask"))
-        return real_flash(*args, **kwargs)
-
-    monkeypatch.setattr(decode_cpu, "_FLASH", spy)
+    calls = flash_mask_spy(monkeypatch)
     kwargs = dict(scaling=0.3, need_mass=False)
     with poisoned_empty():
         got = decode_attention_with_mass_cpu(query, key, value, query_pos, key_pos, **kwargs, all_visible=True)
