@@ -8,9 +8,10 @@ back. The ``G`` query heads of a GQA group are the op's ``G`` query rows over th
 is expanded or copied; visibility (filled, not in the future, inside the window) is an additive
 ``0 / -inf`` bias shared by the group's rows, left out where the caller promises every slot is visible
 (``all_visible``: a full cache whose slots hold the row's tokens in order, sliced to them), which takes the
-op's unmasked path as transformers' call does (measured on the embedded model at 4,096 slots, one
-thread: ~10% less time per call than the masked one, before the bias it no longer builds). Where the mass is wanted, or where the op cannot express
-the call (softcap, value heads of another size than the keys), this backend is ``naive.py`` itself:
+op's unmasked path as transformers' call does (measured with SmolLM2's shapes, 4,096 slots, 30 layers'
+worth of separate buffers, one thread: ~10% less time per call than the masked one, before the bias it
+no longer builds). Where the mass is wanted, or where the op cannot express the call (softcap, value
+heads of another size than the keys), this backend is ``naive.py`` itself:
 logits once for output and mass.
 """
 
