@@ -1,7 +1,7 @@
 """evictlayers: bounded KV caches for Hugging Face decoders, with eviction policies from the literature."""
 
 from evictlayers import models
-from evictlayers.compose import ByLayerKind, CompileError, Policy, PolicyError, Pyramid, Ramp, RecipeError, SlotStore, Uniform, dump_recipe, load_recipe
+from evictlayers.compose import ByLayerKind, CompileError, Induction, Policy, PolicyError, Pyramid, Ramp, RecipeError, SlotStore, Uniform, dump_recipe, load_recipe
 from evictlayers.hf import EvictionCache, UnsupportedModelError, apply
 from evictlayers.core import Component
 from evictlayers.modules import (
@@ -15,6 +15,7 @@ from evictlayers.scoring import (
 __all__ = [
     "Averaged",
     "ByLayerKind",
+    "Induction",
     "CompileError",
     "ClusterSketch",
     "Component",

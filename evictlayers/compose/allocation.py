@@ -3,7 +3,8 @@
 The policy budget is the *mean* per-layer budget; an allocation gives each layer a weight (the
 weights average to 1) and rounds with the largest-remainder method, so the layers' budgets add up to
 exactly ``budget * num_layers`` for every row. ``sliding`` is the set of the model's sliding-window
-layers (indices), for the allocations that weigh layers by kind.
+layers (indices), for the allocations that weigh layers by kind; ``Induction`` weighs them by what the
+model's heads do, measured when ``evictlayers.apply`` patches it.
 """
 
 from __future__ import annotations
@@ -103,4 +104,62 @@ class ByLayerKind(Allocation):
             raise ValueError(f"ByLayerKind: sliding-window layers {outside} are not among the {num_layers} layers")
         weights = torch.ones(num_layers, dtype=torch.float64)
         weights[sorted(sliding)] = self.sliding
+        return weights * (num_layers / weights.sum())
+
+
+class Induction(Allocation):
+    """More budget to the layers whose heads retrieve: a layer's weight is ``floor + s_l / max(s)``,
+    rescaled to mean 1, where ``s_l`` is the layer's *induction score* (below).
+
+    RazorAttention (Tang et al., 2024, "Retrieval heads") finds the heads that retrieve from far back in the context
+    by feeding the model a sequence of random tokens repeated twice: an *induction* head attends, from the
+    second copy's token ``t``, to the token that followed ``t``'s first copy (the head that copies a
+    passkey's next digit does exactly that). RazorAttention keeps the whole cache for such heads and
+    compresses the others. This allocation does the same per layer, since the slot store's budget is
+    per layer: ``s_l`` is the largest induction score among the layer's heads (the attention the second
+    copy's queries give to the token after their first copy, averaged over the copy; ``scores``) and
+    layers with none keep ``floor / (floor + 1)`` of the budget the strongest layer gets. Deviations: no
+    echo heads, and budgets rather than a full cache (the total stays ``budget * num_layers``).
+
+    Not from the seed papers. Why: a needle dump of SmolLM2-135M at 20% (docs/benchmarks.md,
+    "Tuning and held-out splits") found every answer the model still gave held whole in one of layers
+    18-22; the induction probe, which sees no haystack prompt, ranks layers 17, 18, 20 and 23 first on
+    that model and Gemma 3 270M's three full-attention layers first on that one.
+
+    ``evictlayers.apply`` measures ``scores`` on the model it patches (``hf/induction.py``) when they are
+    not given; a recipe may pin them (one number per layer, ``>= 0``).
+    """
+
+    param_names = ("floor", "scores")
+
+    def __init__(self, floor: float = 0.5, scores: list[float] | tuple[float, ...] | None = None):
+        super().__init__()
+        if isinstance(floor, bool) or not isinstance(floor, (int, float)) or not floor > 0.0:
+            raise ValueError(f"Induction(floor={floor!r}): floor must be a number > 0")
+        self.floor = float(floor)
+        if scores is not None:
+            bad = not isinstance(scores, (list, tuple)) or not scores or any(
+                isinstance(s, bool) or not isinstance(s, (int, float)) or not s >= 0.0 for s in scores
+            )
+            if bad:
+                raise ValueError(
+                    f"Induction(scores={scores!r}): scores must be a non-empty list of numbers >= 0, one per layer"
+                )
+            scores = [float(s) for s in scores]
+        self.scores = scores
+
+    def weights(self, num_layers: int, sliding: frozenset[int] = frozenset()) -> torch.Tensor:
+        if self.scores is None:
+            raise ValueError(
+                "Induction(): no induction scores yet; evictlayers.apply measures them on the model it patches "
+                "(pass scores=[...], one per layer, to split a budget without a model)"
+            )
+        if len(self.scores) != num_layers:
+            raise ValueError(
+                f"Induction(scores=...): {len(self.scores)} scores for a model of {num_layers} layers; measure them "
+                "on this model (evictlayers.apply does when scores are not given)"
+            )
+        scores = torch.tensor(self.scores, dtype=torch.float64)
+        top = scores.max()
+        weights = self.floor + (scores / top if top > 0 else torch.zeros_like(scores))
         return weights * (num_layers / weights.sum())

@@ -46,7 +46,8 @@ class Policy(nn.Module):
     ``drop`` is how many tokens go at once when a head exceeds its budget: ``1`` (H2O Algorithm 1,
     at most one eviction per step) or Scissorhands' drop amount ``m`` (Algorithm 2), an ``int`` or a
     ``float`` fraction of the budget (the paper uses ``m = 0.5 B``). ``allocation`` splits the budget
-    across layers (``Uniform``, ``Ramp``, ``Pyramid``, ``ByLayerKind``; the budget is the per-layer mean).
+    across layers (``Uniform``, ``Ramp``, ``Pyramid``, ``ByLayerKind``, ``Induction``; the budget is the per-layer
+    mean).
     ``positions`` is which rotary positions attention sees: ``"absolute"`` (default: each key keeps the
     RoPE of its original position) or ``"rolling"`` (keys held un-rotated and re-rotated to their rank
     among the retained tokens, as StreamingLLM does, so a bounded cache never shows the model a position
@@ -100,7 +101,8 @@ class Policy(nn.Module):
         self._check_drop(drop, budget)
         if allocation is not None and not isinstance(allocation, Allocation):
             raise TypeError(
-                f"Policy(allocation={allocation!r}): expected Uniform(), Ramp(...), Pyramid(...) or ByLayerKind(...)"
+                f"Policy(allocation={allocation!r}): expected Uniform(), Ramp(...), Pyramid(...), ByLayerKind(...) or "
+                "Induction(...)"
             )
         if gqa_reduce not in GQA_REDUCTIONS:
             raise ValueError(f"Policy(gqa_reduce={gqa_reduce!r}): expected one of {GQA_REDUCTIONS}")

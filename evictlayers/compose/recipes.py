@@ -5,7 +5,7 @@ A recipe maps straight onto constructors (torchtune style): every component is a
 
     budget: 0.2            # int tokens per head, float fraction of the prompt, or null (full cache)
     drop: 1                # optional: tokens evicted at once (int) or a fraction of the budget (float)
-    allocation:            # optional: Uniform (default), Ramp, Pyramid or ByLayerKind
+    allocation:            # optional: Uniform (default), Ramp, Pyramid, ByLayerKind or Induction
       _component_: Ramp
       spread: 0.5
     gqa_reduce: sum        # optional
@@ -32,7 +32,7 @@ from typing import Any
 
 import yaml
 
-from evictlayers.compose.allocation import ByLayerKind, Pyramid, Ramp, Uniform
+from evictlayers.compose.allocation import ByLayerKind, Induction, Pyramid, Ramp, Uniform
 from evictlayers.compose.policy import Policy
 from evictlayers.core import Component
 from evictlayers.modules import (
@@ -60,7 +60,7 @@ COMPONENTS: dict[str, type[Component]] = {
     cls.__name__: cls
     for cls in (
         RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged, Uniform, Ramp, Pyramid, ByLayerKind,
-        Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV, QuantizedKV, ClusterSketch,
+        Induction, Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV, QuantizedKV, ClusterSketch,
         RecentThenCumulative, KeyDiff, KeyNorm, KCenterSelector,
     )
 }

@@ -15,10 +15,11 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.cache_utils import Cache
 
-from evictlayers.compose import Policy
+from evictlayers.compose import Induction, Policy
 from evictlayers.compose.positions import RotaryTable
 from evictlayers.hf import attention, versions
 from evictlayers.hf.cache import EvictionCache, EvictionLayer
+from evictlayers.hf.induction import induction_scores
 from evictlayers.hf.rotary import model_rotary_tables
 from evictlayers.hf.sentences import sentence_end_table
 from evictlayers.hf.support import model_support
@@ -49,6 +50,11 @@ class EvictionRun:
             )
         self.model, self.policy, self.compile = model, policy, compile
         self.support = model_support(model)
+        if isinstance(policy.allocation, Induction) and policy.allocation.scores is None:
+            # measured on the unmodified model, before any module is swapped
+            scores = induction_scores(model, self.support)
+            measured = {"_component_": "Induction", "floor": policy.allocation.floor, "scores": scores}
+            self.policy = policy.replace(allocation=measured)
         # a policy that ranks sentences: which token ids end one, and the current forward's marks [B, Q]
         self._sentence_table: torch.Tensor | None = None
         self.sentence_ends: torch.Tensor | None = None
