@@ -189,7 +189,7 @@ def test_which_policies_read_the_mass():
     assert el.load_recipe("h2o").reads_mass and el.load_recipe("ahakv").reads_mass
     assert not any(el.load_recipe(r).reads_mass for r in ("streaming_llm", "local", "full", "keydiff", "knorm",
                                                            "tova", "snapkv", "scissorhands", "tova_keydiff",
-                                                           "tova_keydiff_chunked"))
+                                                           "tova_keydiff_chunked", "tova_keydiff_induction"))
 
 
 def test_what_a_decode_step_of_each_shipped_recipe_reads():
@@ -198,8 +198,8 @@ def test_what_a_decode_step_of_each_shipped_recipe_reads():
     components: attention-fed scorers and windows of rows read the mass; KeyDiff, KeyNorm and k-center the
     keys; ValuePrior as a selector's prior the values, as ``ahakv``'s prefill prior only at prefill)."""
     mass = {"ahakv", "ahakv_windowed", "h2o", "h2o_averaged", "h2o_int4", "h2o_windowed", "scissorhands",
-            "scissorhands_int4", "snapkv", "tova", "tova_keydiff", "tova_keydiff_chunked"}
-    keys = {"clustergen_kcenter", "keydiff", "knorm", "tova_keydiff", "tova_keydiff_chunked"}
+            "scissorhands_int4", "snapkv", "tova", "tova_keydiff", "tova_keydiff_chunked", "tova_keydiff_induction"}
+    keys = {"clustergen_kcenter", "keydiff", "knorm", "tova_keydiff", "tova_keydiff_chunked", "tova_keydiff_induction"}
     values = {"ahakv_windowed"}
     for recipe in shipped_recipes():
         policy = el.load_recipe(recipe)
