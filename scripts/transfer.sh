@@ -24,10 +24,11 @@ LENGTHS=${LENGTHS:-"1024 2048 4096"}
 BUDGETS=${BUDGETS:-"0.1 0.2 0.5"}
 MODELS=${MODELS:-"default gemma-3-270m"}
 SEARCH_LENGTHS=${SEARCH_LENGTHS:-1024}
-# the chosen recipe under its candidate name (tova_keydiff_chunked ships the same file's policy), and the
-# search's choice before the sliding layers' share was chosen
+# the chosen recipes under their candidate names (tova_keydiff_chunked and tova_keydiff_induction ship the
+# same files' policies), and the search's choice before the sliding layers' share was chosen
 REPORT=${REPORT:-"full h2o snapkv tova_keydiff evictlayers/eval/candidates/tova_keydiff_chunk5.yaml
-    evictlayers/eval/candidates/tova_keydiff_chunk5_by_kind25.yaml"}
+    evictlayers/eval/candidates/tova_keydiff_chunk5_by_kind25.yaml
+    evictlayers/eval/candidates/tova_keydiff_chunk5_induction50.yaml"}
 STEPS=${STEPS:-"search layer-kinds report perplexity needles render"}
 OUT=${OUT:-docs/retrieval}
 # NIAH answers are at most ~50 tokens on these tokenizers (four 7-digit values); RULER allows 128, which a

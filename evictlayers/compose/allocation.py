@@ -123,7 +123,7 @@ class Induction(Allocation):
 
     Not from the seed papers. Why: a needle dump of SmolLM2-135M at 20% (docs/benchmarks.md,
     "Tuning and held-out splits") found every answer the model still gave held whole in one of layers
-    18-22; the induction probe, which sees no haystack prompt, ranks layers 17, 18, 20 and 23 first on
+    18-22; the induction probe, which sees no haystack prompt, ranks layers 18, 17, 23 and 20 first on
     that model and Gemma 3 270M's three full-attention layers first on that one.
 
     ``evictlayers.apply`` measures ``scores`` on the model it patches (``hf/induction.py``) when they are
