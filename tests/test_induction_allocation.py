@@ -106,3 +106,14 @@ def test_scores_are_measured_once_per_model_and_again_after_an_in_place_change(m
     with el.apply(model, policy):
         pass
     assert len(calls) == 2
+
+
+def test_a_model_built_under_inference_mode_is_measured():
+    """Inference tensors keep no version counter: the scores are still measured (and match a model built
+    normally from the same seed)."""
+    with torch.inference_mode():
+        model = build("llama", attn_implementation="sdpa")
+        policy = el.Policy(el.RecentWindow(), budget=6, allocation=el.Induction(0.5))
+        with el.apply(model, policy) as run:
+            scores = run.policy.allocation.scores
+    assert scores == pytest.approx(_reference_scores("llama"), rel=1e-5, abs=1e-7)
