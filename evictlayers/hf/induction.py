@@ -14,7 +14,7 @@ import weakref
 import torch
 from torch import nn
 
-from evictlayers.hf.support import ModelSupport, UnsupportedModelError
+from evictlayers.hf.support import ModelSupport, UnsupportedModelError, attention_implementation
 
 PROBE_LENGTH = 128  # tokens per copy: the span an induction head must reach back across
 PROBE_SEQUENCES = 2
@@ -68,18 +68,11 @@ def _measure(model: nn.Module, support: ModelSupport) -> list[float]:
 
         return hook
 
-    modules = [model, *(layer.module for layer in support.attention)]
-    configs = {id(m.config): m.config for m in modules if hasattr(m, "config")}
-    saved = [(config, config._attn_implementation) for config in configs.values()]
     hooks = [layer.module.register_forward_hook(record(layer.index)) for layer in support.attention]
     try:
-        for config in configs.values():
-            config._attn_implementation_internal = "eager"
-        with torch.no_grad():
+        with attention_implementation(model, support, "eager"), torch.no_grad():
             model(input_ids=tokens, use_cache=False)
     finally:
         for hook in hooks:
             hook.remove()
-        for config, implementation in saved:
-            config._attn_implementation_internal = implementation
     return scores

@@ -22,7 +22,7 @@ from evictlayers.hf.cache import EvictionCache, EvictionLayer
 from evictlayers.hf.induction import induction_scores
 from evictlayers.hf.rotary import model_rotary_tables
 from evictlayers.hf.sentences import sentence_end_table
-from evictlayers.hf.support import model_support
+from evictlayers.hf.support import attention_implementation, model_support
 
 _EVICTING_CLASSES: dict[type, type] = {}
 
@@ -74,7 +74,7 @@ class EvictionRun:
         self.rotary: dict[int, RotaryTable] | None = None
         self.cache: EvictionCache | None = None
         self._padding: torch.Tensor | None = None
-        self._configs: list[tuple[object, str]] = []
+        self._implementation = attention_implementation(model, self.support, attention.ATTENTION_NAME)
         self._hooks = []
         self._captured: dict | None = None  # set while the rolling probe records what each layer attends with
         self._patch()
@@ -93,10 +93,7 @@ class EvictionRun:
         for module in self._attention:
             module.__class__ = _evicting_class(type(module))
             module._evictlayers_run = self
-        configs = {id(m.config): m.config for m in [self.model, *self._attention] if hasattr(m, "config")}
-        for config in configs.values():
-            self._configs.append((config, config._attn_implementation))
-            config._attn_implementation_internal = attention.ATTENTION_NAME
+        self._implementation.__enter__()
         for module in self.model.modules():
             if isinstance(module, PreTrainedModel):
                 signature = inspect.signature(module.forward)
@@ -110,8 +107,7 @@ class EvictionRun:
             return
         for hook in self._hooks:
             hook.remove()
-        for config, implementation in self._configs:
-            config._attn_implementation_internal = implementation
+        self._implementation.__exit__(None, None, None)
         for module in self._attention:
             module.__class__ = module._evictlayers_original_class
             del module._evictlayers_run

@@ -14,6 +14,7 @@ keep their state in the model's own cache layer objects, which the eviction cach
 from __future__ import annotations
 
 import ast
+import contextlib
 import functools
 import inspect
 import textwrap
@@ -100,6 +101,23 @@ class ModelSupport:
 def original_class(module: nn.Module) -> type:
     """The class ``module`` had before ``evictlayers.apply`` swapped in its ``Evicting<Class>``."""
     return getattr(module, "_evictlayers_original_class", type(module))
+
+
+@contextlib.contextmanager
+def attention_implementation(model: nn.Module, support: ModelSupport, name: str):
+    """Run with every config the model and its attention modules read set to attention implementation
+    ``name`` (a key of transformers' ``ALL_ATTENTION_FUNCTIONS``, or "eager"); each is restored on exit,
+    also when the body raises. Used by ``apply`` (for the whole run) and by the induction probe."""
+    modules = [model, *(layer.module for layer in support.attention)]
+    configs = {id(module.config): module.config for module in modules if hasattr(module, "config")}
+    saved = [(config, config._attn_implementation) for config in configs.values()]
+    try:
+        for config in configs.values():
+            config._attn_implementation_internal = name
+        yield
+    finally:
+        for config, implementation in saved:
+            config._attn_implementation_internal = implementation
 
 
 def _where(model: nn.Module) -> str:
