@@ -117,3 +117,20 @@ def test_a_model_built_under_inference_mode_is_measured():
         with el.apply(model, policy) as run:
             scores = run.policy.allocation.scores
     assert scores == pytest.approx(_reference_scores("llama"), rel=1e-5, abs=1e-7)
+
+
+def test_a_layer_without_attention_weights_is_refused_and_the_model_restored():
+    """A layer whose output carries no attention weights under eager attention (here a user's hook drops
+    them) cannot be probed: ``apply`` names the layer and the way out, and the attention implementation,
+    the hooks and the classes are as before."""
+    model = build("llama", attn_implementation="sdpa")
+    attention = model.model.layers[1].self_attn
+    attention.register_forward_hook(lambda module, args, output: (output[0], None))
+    hooks = {id(m): len(m._forward_hooks) for m in model.modules()}
+    classes = [type(m) for m in model.modules()]
+    with pytest.raises(el.UnsupportedModelError, match=r"layer 1\).*Induction\(scores=\[\.\.\.\]\)"):
+        el.apply(model, el.Policy(el.RecentWindow(), budget=6, allocation=el.Induction(0.5)))
+    assert model.config._attn_implementation == attention.config._attn_implementation == "sdpa"
+    assert {id(m): len(m._forward_hooks) for m in model.modules()} == hooks
+    assert [type(m) for m in model.modules()] == classes
+    assert not hasattr(model, "_evictlayers_run")
