@@ -101,15 +101,8 @@ def test_cpu_matches_naive(case, block_bytes, monkeypatch):
     assert (got.out[1] == 0).all()
 
 
-@pytest.mark.parametrize("block_bytes,blocks", [(None, 1), (100_000, 4), (30_000, 11), (10_000, 16)])
-def test_cpu_never_dequantises_more_than_a_block(monkeypatch, block_bytes, blocks):
-    """The point of the backend: no dense copy of the code slots beyond a bounded block. Eager, the keys of
-    batch 3, 2 KV heads, 203 slots and 64 channels take 3 * 2 * 203 * 64 * 4 = 311,808 float32 bytes:
-    one block under the default 2 MiB, ceil(311,808 / 100,000) = 4 blocks of at most 51 slots, 11 of at
-    most 19 under 30,000, and no more than ``EAGER_MAX_BLOCKS`` (16, of at most 13 slots) however small
-    the allowance."""
-    if block_bytes is not None:
-        monkeypatch.setattr(quantized_cpu, "EAGER_BLOCK_BYTES", block_bytes)
+def spy_on_blocks(monkeypatch):
+    """The slot counts of the blocks ``cpu.py`` dequantises, appended to the returned list as they are made."""
     lengths = []
     real = quantized_cpu._unpacked
 
@@ -119,16 +112,39 @@ def test_cpu_never_dequantises_more_than_a_block(monkeypatch, block_bytes, block
         return block
 
     monkeypatch.setattr(quantized_cpu, "_unpacked", spy)
-    inputs = quantized_inputs(3, 203, 4)
+    return lengths
+
+
+@pytest.mark.parametrize("block_bytes,blocks", [(None, 1), (100_000, 4), (30_000, 11), (10_000, 16)])
+def test_cpu_never_dequantises_more_than_a_block(monkeypatch, block_bytes, blocks):
+    """The point of the backend: no dense copy of the code slots beyond a bounded block. Eager, the int8
+    keys of batch 3, 2 KV heads, 203 slots and 64 channels take 3 * 2 * 203 * 64 * 4 = 311,808 float32 bytes:
+    one block under the default 2 MiB, ceil(311,808 / 100,000) = 4 blocks of at most 51 slots, 11 of at
+    most 19 under 30,000, and no more than ``EAGER_MAX_BLOCKS`` (16, of at most 13 slots) however small
+    the allowance."""
+    if block_bytes is not None:
+        monkeypatch.setattr(quantized_cpu, "EAGER_BLOCK_BYTES", block_bytes)
+    lengths = spy_on_blocks(monkeypatch)
+    inputs = quantized_inputs(3, 203, 4, bits=8)
     quantized_decode_attention_with_mass_cpu(*inputs, **options(64))
     assert len(lengths) == 2 * blocks  # keys, then values
     assert sum(lengths) == 2 * 203 and max(lengths) == -(-203 // blocks)
 
 
+@pytest.mark.parametrize("group,blocks", [(16, 0), (2, 0), (1, 1)])
+def test_cpu_int4_reads_the_codes_in_registers_when_the_group_is_even(monkeypatch, group, blocks):
+    """int4 codes whose groups pack whole bytes go to int4_cpu.py's ops, eager and compiled: no block of
+    dequantised slots is made at all. An odd group (a byte's nibbles in two groups) takes the blocks."""
+    lengths = spy_on_blocks(monkeypatch)
+    inputs = quantized_inputs(3, 203, 4, group=group)
+    quantized_decode_attention_with_mass_cpu(*inputs, **options(64))
+    assert len(lengths) == 2 * blocks
+
+
 def test_cpu_eager_scratch_buffers_are_per_thread():
-    """Eager, the blocks are unpacked into buffers kept between calls: two threads decoding different
+    """Eager, int8 blocks are unpacked into buffers kept between calls: two threads decoding different
     caches at once (and each switching between a large and a small one) still match the reference."""
-    cases = [quantized_inputs(seed, n_codes, 4) for seed, n_codes in ((1, 300), (2, 37), (3, 150), (4, 61))]
+    cases = [quantized_inputs(seed, n_codes, 4, bits=8) for seed, n_codes in ((1, 300), (2, 37), (3, 150), (4, 61))]
     want = [quantized_decode_attention_with_mass(*inputs, **options(64)) for inputs in cases]
 
     def decode(order):
@@ -145,7 +161,7 @@ def test_cpu_eager_scratch_buffers_are_per_thread():
 def test_cpu_eager_scratch_buffers_outlive_inference_mode():
     """A thread whose first decode runs under ``torch.inference_mode`` (its scratch buffers made there) can
     decode outside it afterwards, and inside it again."""
-    inputs = quantized_inputs(5, 300, 4)
+    inputs = quantized_inputs(5, 300, 4, bits=8)
     want = quantized_decode_attention_with_mass(*inputs, **options(64))
 
     def decode():  # a fresh thread: its scratch buffers do not exist yet
@@ -159,11 +175,13 @@ def test_cpu_eager_scratch_buffers_outlive_inference_mode():
             assert_matches(got, want, atol=1e-5, mass_atol=1e-6)
 
 
-def test_cpu_eager_gradients_match_the_reference(monkeypatch):
-    """With grad enabled, the query's gradient through 11 blocks (each unpacked while the products of the
-    previous ones are saved for the backward) is the reference's."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_eager_gradients_match_the_reference(monkeypatch, bits):
+    """With grad enabled, the query's gradient is the reference's: through int4_cpu.py's ops (int4), and
+    through 11 int8 blocks (each unpacked while the products of the previous ones are saved for the
+    backward)."""
     monkeypatch.setattr(quantized_cpu, "EAGER_BLOCK_BYTES", 30_000)
-    inputs = quantized_inputs(6, 203, 4)
+    inputs = quantized_inputs(6, 203, 4, bits=bits)
     grads = []
     for kernel in (quantized_decode_attention_with_mass, quantized_decode_attention_with_mass_cpu):
         query = inputs[0].detach().clone().requires_grad_()
@@ -173,14 +191,16 @@ def test_cpu_eager_gradients_match_the_reference(monkeypatch):
     torch.testing.assert_close(grads[1], grads[0], atol=1e-5, rtol=1e-4)
 
 
-def test_cpu_compiles_into_one_graph_for_every_slot_count():
-    """Under ``torch.compile(fullgraph=True)`` (the decode step's), the blocks stay symbolic: after the first
-    (static) shape, slot counts that do and do not divide by the block count share one dynamic graph."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_cpu_compiles_into_one_graph_for_every_slot_count(bits):
+    """Under ``torch.compile(fullgraph=True)`` (the decode step's), int4_cpu.py's ops (int4) and the blocks
+    (int8) stay symbolic: after the first (static) shape, slot counts that do and do not divide by the block
+    count share one dynamic graph."""
     compiled = torch.compile(quantized_decode_attention_with_mass_cpu, fullgraph=True, dynamic=None)
     torch._dynamo.reset()
     counters.clear()
     for n_codes in (100, 131, 256, 301):
-        inputs = quantized_inputs(n_codes, n_codes, 4)
+        inputs = quantized_inputs(n_codes, n_codes, 4, bits=bits)
         kwargs = options(64, 2.0, 150, "max", True)
         assert_matches(compiled(*inputs, **kwargs), quantized_decode_attention_with_mass(*inputs, **kwargs),
                        atol=1e-5, mass_atol=1e-6)

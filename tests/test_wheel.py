@@ -1,5 +1,5 @@
-"""The built wheel carries the recipes: installed outside the repository, a recipe loads by
-name and the CLI finds it."""
+"""The built wheel carries the recipes and the int4 kernel's C++ source: installed outside the repository,
+a recipe loads by name and the CLI finds it."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ def test_wheel_ships_recipes_and_they_load_outside_the_repo(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     shipped = sorted(p.name for p in (REPO / "evictlayers" / "recipes").glob("*.yaml"))
     assert shipped and all(f"evictlayers/recipes/{name}" in names for name in shipped)
+    assert "evictlayers/kernels/quantized_decode/int4_cpu.cpp" in names  # compiled on first use
 
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],

@@ -2,7 +2,9 @@
 signature, three backends.
 
 - ``naive.py``: ``quantized_decode_attention_with_mass``, the reference: dequantise, then the naive decode;
-- ``cpu.py``: ``quantized_decode_attention_with_mass_cpu``, the codes unpacked one block of slots at a time;
+- ``cpu.py``: ``quantized_decode_attention_with_mass_cpu``: int4 codes through ``int4_cpu.py``'s C++ ops
+  (``int4_cpu.cpp``, dequantised in registers, a PyTorch reference beside them), int8 codes unpacked one
+  block of slots at a time;
 - ``triton.py``: ``quantized_decode_attention_with_mass_triton``, the codes dequantised in registers,
   imported on first use only (triton reads ``TRITON_INTERPRET`` when a kernel is defined).
 

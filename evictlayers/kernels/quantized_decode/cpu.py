@@ -1,13 +1,26 @@
-"""Decode attention over quantised slots on CPU: the codes unpacked one block of slots at a time.
+"""Decode attention over quantised slots on CPU: int4 codes read in registers, int8 codes one block of slots
+at a time.
 
-Same signature and result as ``naive.py``. The reference dequantises the whole cache into a dense copy
-before attending; here the ``C`` code slots are cut into ``SLOT_BLOCKS`` blocks, and the QK loop
-dequantises one block into a small buffer and multiplies it by the query before the next block is
-unpacked (likewise the PV loop with the values), so a block's buffer, ``1 / SLOT_BLOCKS`` of a dense
-copy, stays in the CPU caches where the whole copy went through memory. The logits (``[B, H_kv, G,
-C + R]`` float32, small) are concatenated and go through the naive decode's softmax
-(``decode/naive.py``'s ``slot_softmax``), so masking, softcap, score gain and the GQA reduction cannot
-drift from the reference.
+Same signature and result as ``naive.py``, which dequantises the whole cache into a dense copy before
+attending. Here:
+
+- int4 codes whose groups hold whole bytes (an even ``group``, every shipped recipe) go to ``int4_cpu.py``'s
+  C++ ops, which dequantise 8 codes at a time in registers inside the QK and PV loops: no buffer of
+  dequantised slots at all. Compiled ``h2o_int4`` against compiled dense ``h2o`` (``python -m benchmarks
+  --only decode --prompts 4096 8192 --configs hf-sdpa el-h2o-compiled el-h2o-int4-compiled --threads 1``,
+  rows timed one after another on a host running another job): 0.89x / 1.25x the tokens/s at 4k-token
+  prompts, batch 1 / 8, and 1.21x / 0.96x at 8k; the blocks made it 0.70-0.80x. Timed in one process,
+  blocks of 3 steps alternating with the blocks' code and with dense ``h2o`` (6 rounds), the ops made the
+  compiled int4 step 1.13x as fast as the blocks at 8k, batch 8 (1.02x dense, the blocks 0.90x), 1.09x at
+  4k, batch 8 (1.00x dense), and eager 1.29x at 4k, batch 8 (0.85x dense, the blocks 0.66x).
+- int8 codes, and int4 with an odd group (a byte's two codes in different groups), are cut into
+  ``SLOT_BLOCKS`` blocks: the QK loop dequantises one block into a small buffer and multiplies it by the
+  query before the next block is unpacked (likewise the PV loop with the values), so a block's buffer,
+  ``1 / SLOT_BLOCKS`` of a dense copy, stays in the CPU caches where the whole copy went through memory.
+
+Either way the logits (``[B, H_kv, G, C + R]`` float32, small) are concatenated and go through the naive
+decode's softmax (``decode/naive.py``'s ``slot_softmax``), so masking, softcap, score gain and the GQA
+reduction cannot drift from the reference.
 
 How a block is unpacked, and why:
 
@@ -15,11 +28,12 @@ How a block is unpacked, and why:
   custom op (``codes.float()``) that the compiled step calls as an opaque kernel, and everything after
   it is float arithmetic. Inductor loads integer vectors through a copy into a stack buffer (its
   ``loadu`` with an element count has no fast path for integer types), which made its uint8 -> float
-  conversion ~1.2 ns per element against ~0.1 ns for ATen's. With the op (2-core AVX2 development
-  machine, one thread, ``python -m benchmarks --only decode``), compiled ``h2o_int4`` decodes at 0.89x
+  conversion ~1.2 ns per element against ~0.1 ns for ATen's. With the op, when int4 codes took the blocks
+  too (2-core AVX2 development machine, one thread, ``python -m benchmarks --only decode``), compiled
+  ``h2o_int4`` decoded at 0.89x
   the tokens/s of compiled dense ``h2o`` at 8k-token prompts, batch 8 (0.61x before), 1.02x at 4k
   batch 8 (0.63x) and 0.88x at 4k batch 1 (0.82x): BLAS on each block plus the op's ~20 us per call
-  now cost about what reading the dense float32 cache does.
+  cost about what reading the dense float32 cache does, which is why int4 now skips the blocks.
 - The nibbles are split in float: with ``x`` a byte's value, its high nibble is ``floor(x / 16)`` and its
   low one ``x - 16 * floor(x / 16)``, written as one broadcast expression over the two halves so
   inductor fuses split, scale and zero point into one pass over the block (a ``cat`` of the halves was
@@ -75,6 +89,7 @@ import torch
 from evictlayers.kernels.common import DecodeAttention, check_packed_inputs, no_mass, reduce_group
 from evictlayers.kernels.decode.naive import slot_softmax
 from evictlayers.kernels.quantization import PackedKV
+from evictlayers.kernels.quantized_decode.int4_cpu import int4_logits, int4_values
 
 SLOT_BLOCKS = 4  # compiled: blocks the code slots are unpacked in (each block's buffer is 1/4 of a dense copy)
 EAGER_BLOCK_BYTES = 2 << 20  # eager: the most float32 bytes one block's keys or values take (2 MiB)...
@@ -123,27 +138,35 @@ def quantized_decode_attention_with_mass_cpu(
     grouped = query.view(batch, kv_heads, groups, head_dim).float()
     # the query in the codes' channel order, times the keys' channel scale ([B, H_kv, G, D])
     permuted = _codes_order(grouped * packed.key_channel_scale, halves)
-    if torch.compiler.is_compiling():
-        blocks = _blocks(n_codes, SLOT_BLOCKS)
+    in_registers = packed.bits == 4 and packed.group % 2 == 0  # int4_cpu.py's ops; otherwise blocks
+    if in_registers:
+        blocks = []
+        logits = [int4_logits(permuted, packed.key_codes, packed.key_scale, packed.key_zero)]
     else:
-        dense_bytes = 4 * batch * kv_heads * n_codes * max(head_dim, residual_values.shape[-1])
-        blocks = _blocks(n_codes, min(EAGER_MAX_BLOCKS, max(1, -(-dense_bytes // EAGER_BLOCK_BYTES))))
-    logits = [
-        torch.matmul(permuted, _unpacked(packed.key_codes, packed.key_scale, packed.key_zero, block, packed)
-                     .transpose(-1, -2))
-        for block in blocks
-    ]
+        if torch.compiler.is_compiling():
+            blocks = _blocks(n_codes, SLOT_BLOCKS)
+        else:
+            dense_bytes = 4 * batch * kv_heads * n_codes * max(head_dim, residual_values.shape[-1])
+            blocks = _blocks(n_codes, min(EAGER_MAX_BLOCKS, max(1, -(-dense_bytes // EAGER_BLOCK_BYTES))))
+        logits = [
+            torch.matmul(permuted, _unpacked(packed.key_codes, packed.key_scale, packed.key_zero, block, packed)
+                         .transpose(-1, -2))
+            for block in blocks
+        ]
     logits.append(torch.matmul(grouped, residual_keys.float().transpose(-1, -2)))
     probs, lse, scores = slot_softmax(
         torch.cat(logits, -1) * scaling, query_pos, torch.cat([key_pos, residual_pos], 2),
         softcap=softcap, sliding_window=sliding_window, score_gain=score_gain, need_mass=need_mass,
     )
     coded = probs[..., :n_codes]
-    out = sum(
-        torch.matmul(coded[..., block], _unpacked(packed.value_codes, packed.value_scale, packed.value_zero, block,
-                                                  packed))
-        for block in blocks
-    )
+    if in_registers:
+        out = int4_values(coded, packed.value_codes, packed.value_scale, packed.value_zero)
+    else:
+        out = sum(
+            torch.matmul(coded[..., block], _unpacked(packed.value_codes, packed.value_scale, packed.value_zero,
+                                                      block, packed))
+            for block in blocks
+        )
     out = _channel_order(out, halves) + torch.matmul(probs[..., n_codes:], residual_values.float())
     mass = (
         reduce_group(scores, gqa_reduce) if need_mass

@@ -1,0 +1,147 @@
+"""The int4 CPU ops (``quantized_decode/int4_cpu.py``, C++ in ``int4_cpu.cpp``): their PyTorch references
+against the layout's definition (``kernel_inputs.dequantized``), the compiled ops against the references on
+odd shapes (slot counts that fill no tile of 8, strided slices of a larger cache, 1-4 query rows per KV
+head, groups that take the AVX2 path and groups that take the scalar loops, every scale dtype) with their
+outputs poisoned with NaN, their gradients, and what happens when the extension cannot be built. The
+quantised decode op that calls them is checked in test_kernels_quantized.py."""
+
+import warnings
+
+import pytest
+import torch
+
+from evictlayers.kernels.quantization import PackedKV, quantize_groups
+from evictlayers.kernels.quantized_decode import int4_cpu
+from kernel_inputs import dequantized, poisoned_empty
+from tiny_models import single_thread  # noqa: F401 (autouse fixture)
+
+
+def codes_of(shape, group, scale_dtype, seed, spare=0):
+    """int4 codes, scale and zero point of random ``shape`` ``[B, H, C, D]`` values: a slice of slots 2 ..
+    C + 2 of a cache with ``spare`` more slots (so every stride is a larger cache's)."""
+    g = torch.Generator().manual_seed(seed)
+    batch, heads, slots, dim = shape
+    values = torch.randn(batch, heads, slots + 2 + spare, dim, generator=g) * 3
+    codes, scale, zero = quantize_groups(values, 4, group, -1, scale_dtype)
+    return tuple(t[:, :, 2:slots + 2] for t in (codes, scale, zero))
+
+
+def codes_order(x):
+    """``[..., D]`` natural channel order -> the ops' order: even channels (low nibbles), then odd ones."""
+    return torch.cat([x[..., 0::2], x[..., 1::2]], -1)
+
+
+def test_the_references_are_attention_over_the_layouts_dequantised_values():
+    """The references dequantise as the layout defines (channel ``2p`` in byte ``p``'s low nibble, ``code *
+    scale + zero`` per group), only in the codes' channel order."""
+    codes, scale, zero = codes_of((2, 3, 13, 32), 8, torch.bfloat16, 0)
+    packed = PackedKV(codes, scale, zero, torch.ones(2, 3, 1, 32), codes, scale, zero, 4, 8)
+    keys, _ = dequantized(packed, torch.float32)  # [B, H, C, D], natural order
+    g = torch.Generator().manual_seed(1)
+    query, probs = torch.randn(2, 3, 4, 32, generator=g), torch.rand(2, 3, 4, 13, generator=g)
+    torch.testing.assert_close(int4_cpu.int4_logits_reference(codes_order(query), codes, scale, zero),
+                               query @ keys.transpose(-1, -2))
+    torch.testing.assert_close(int4_cpu.int4_values_reference(probs, codes, scale, zero), codes_order(probs @ keys))
+
+
+def test_the_extension_builds_here():
+    """Without it every other test here would compare the references with themselves."""
+    assert int4_cpu.extension() is not None
+
+
+CASES = [
+    # slots, head dim, group, query rows per KV head, scale dtype
+    (1, 64, 32, 3, torch.bfloat16),
+    (9, 64, 32, 1, torch.float16),  # one full tile of 8 and one slot
+    (100, 64, 16, 4, torch.float32),
+    (37, 256, 32, 2, torch.bfloat16),  # Gemma 3's head dim
+    (45, 128, 64, 3, torch.bfloat16),
+    (23, 48, 16, 3, torch.float16),  # AVX2 logits, scalar values (a head dim other than 64, 128, 256)
+    (17, 64, 8, 3, torch.bfloat16),  # groups under 16 channels: the scalar loops
+    (30, 24, 6, 2, torch.float32),
+    (11, 32, 2, 1, torch.float16),
+    (0, 64, 32, 3, torch.bfloat16),  # no code slots
+]
+
+
+@pytest.mark.parametrize("slots,dim,group,rows,scale_dtype", CASES,
+                         ids=[f"c{c}-d{d}-group{k}-g{r}-{str(t).removeprefix('torch.')}" for c, d, k, r, t in CASES])
+def test_ops_match_their_references(slots, dim, group, rows, scale_dtype):
+    codes, scale, zero = codes_of((3, 2, slots, dim), group, scale_dtype, slots + dim, spare=5)
+    g = torch.Generator().manual_seed(7)
+    query = torch.randn(3, 2, rows, dim, generator=g)
+    # probabilities as the decode passes them: the code slots' columns of a wider row (strided)
+    probs = torch.softmax(torch.randn(3, 2, rows, slots + 4, generator=g), -1)[..., 1:slots + 1]
+    with poisoned_empty():
+        logits = int4_cpu.int4_logits(query, codes, scale, zero)
+        out = int4_cpu.int4_values(probs, codes, scale, zero)
+    assert not logits.isnan().any() and not out.isnan().any()
+    torch.testing.assert_close(logits, int4_cpu.int4_logits_reference(query, codes, scale, zero),
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(out, int4_cpu.int4_values_reference(probs, codes, scale, zero), rtol=1e-4, atol=1e-5)
+
+
+def test_gradients_match_the_references():
+    """Each op's backward is the other op on the same codes; the references' come from autograd."""
+    codes, scale, zero = codes_of((2, 3, 21, 64), 32, torch.bfloat16, 3)
+    g = torch.Generator().manual_seed(4)
+    inputs = [torch.randn(2, 3, 3, 64, generator=g), torch.rand(2, 3, 3, 21, generator=g)]
+    weights = [torch.randn(2, 3, 3, 21, generator=g), torch.randn(2, 3, 3, 64, generator=g)]
+    pairs = [(int4_cpu.int4_logits, int4_cpu.int4_logits_reference),
+             (int4_cpu.int4_values, int4_cpu.int4_values_reference)]
+    for x, weight, (op, reference) in zip(inputs, weights, pairs):
+        grads = []
+        for fn in (op, reference):
+            leaf = x.clone().requires_grad_()
+            (fn(leaf, codes, scale, zero) * weight).sum().backward()
+            grads.append(leaf.grad)
+        torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-4)
+
+
+def test_the_compiled_ops_check_their_inputs():
+    codes, scale, zero = codes_of((2, 3, 5, 64), 32, torch.bfloat16, 5)
+    module = int4_cpu.extension()
+    query, out = torch.randn(2, 3, 3, 64), torch.empty(2, 3, 3, 5)
+    with pytest.raises(RuntimeError, match="codes must be \\[B, H, C, P\\] uint8 with contiguous bytes"):
+        module.int4_logits(query, codes.transpose(-1, -2).contiguous().transpose(-1, -2), scale, zero, out)
+    with pytest.raises(RuntimeError, match="query must have 2P channels"):
+        module.int4_logits(query[..., :32], codes, scale, zero, out)
+    with pytest.raises(RuntimeError, match="out must be a contiguous float32 CPU tensor of shape"):
+        module.int4_logits(query, codes, scale, zero, out[..., :4])
+    with pytest.raises(RuntimeError, match="K dividing P"):
+        module.int4_values(torch.rand(2, 3, 3, 5), codes, scale[..., :1].expand(2, 3, 5, 3), zero[..., :1].expand(
+            2, 3, 5, 3), torch.empty(2, 3, 3, 64))
+
+
+def test_without_the_extension_the_ops_warn_once_and_run_the_references(monkeypatch):
+    """A machine that cannot compile it (no compiler, no ninja) still decodes, told why and how to fix it."""
+    import torch.utils.cpp_extension
+
+    def no_compiler(*args, **kwargs):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
+    monkeypatch.setattr(int4_cpu, "_BUILT", {})
+    codes, scale, zero = codes_of((2, 3, 10, 64), 32, torch.bfloat16, 6)
+    query = torch.randn(2, 3, 3, 64)
+    with pytest.warns(RuntimeWarning, match="could not compile its int4 CPU kernel .*Ninja is required.*install a C"):
+        got = int4_cpu.int4_logits(query, codes, scale, zero)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once: the failed build is remembered
+        int4_cpu.int4_logits(query, codes, scale, zero)
+    torch.testing.assert_close(got, int4_cpu.int4_logits_reference(query, codes, scale, zero))
+
+
+def test_rows_split_over_threads_give_the_same_result():
+    """``at::parallel_for`` hands each thread its own (batch, head) rows and scratch: two threads compute
+    what one does, bit for bit."""
+    codes, scale, zero = codes_of((3, 4, 29, 64), 32, torch.bfloat16, 8)
+    g = torch.Generator().manual_seed(9)
+    query, probs = torch.randn(3, 4, 3, 64, generator=g), torch.rand(3, 4, 3, 29, generator=g)
+    results = []
+    for threads in (1, 2):
+        torch.set_num_threads(threads)
+        results.append((int4_cpu.int4_logits(query, codes, scale, zero), int4_cpu.int4_values(probs, codes, scale, zero)))
+    torch.set_num_threads(1)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
