@@ -145,3 +145,16 @@ def test_rows_split_over_threads_give_the_same_result():
     torch.set_num_threads(1)
     for one, two in zip(*results):
         assert torch.equal(one, two)
+
+
+@pytest.mark.parametrize("bits,group,device,built", [(4, 32, "cpu", True), (4, 8, "cpu", True), (8, 32, "cpu", False),
+                                                     (4, 1, "cpu", False), (4, 32, "meta", False)])
+def test_int4_storage_builds_the_kernel_at_allocation(monkeypatch, bits, group, device, built):
+    """The build (about a minute, once per machine) happens when an int4 CPU cache is allocated at prefill,
+    not inside the first decode step that uses it; nothing else asks for it."""
+    from evictlayers.modules.quantized_kv import QuantizedKV
+
+    calls = []
+    monkeypatch.setattr(int4_cpu, "extension", lambda: calls.append(1))
+    QuantizedKV(bits, group, 4).allocate(1, 2, 8, 32, 32, torch.float32, device)
+    assert calls == ([1] if built else [])

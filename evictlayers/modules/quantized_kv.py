@@ -47,6 +47,7 @@ from evictlayers.core import Component
 from evictlayers.core.slots import along_slots, batch_head_index
 from evictlayers.kernels import DecodeAttention, quantized_decode_attention
 from evictlayers.kernels.quantization import BITS, PackedKV, quantize_groups
+from evictlayers.kernels.quantized_decode import int4_cpu
 
 NORMALISER_MIN_TOKENS = 64  # prompt tokens a head needs before its key channels are normalised
 
@@ -89,6 +90,10 @@ class QuantizedKV(Component):
     ) -> QuantizedSlots:
         """Empty storage for ``capacity`` slots per ``(b, h)``; ``layer`` only names the layer in errors."""
         self.check_dims(head_dim, value_dim, layer)
+        if self.bits == 4 and self.group % 2 == 0 and torch.device(device).type == "cpu":
+            # the int4 CPU kernel compiles on first use (about a minute, once per machine): here, at prefill,
+            # rather than inside the first decode step, where a benchmark or the demo would time it
+            int4_cpu.extension()
         per_byte = 2 if self.bits == 4 else 1
         scale_dtype = _scale_dtype(dtype)
         ring = min(self.residual, capacity)

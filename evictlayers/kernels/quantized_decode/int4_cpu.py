@@ -37,8 +37,10 @@ arithmetic.
 
 The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and
 ninja, as ``torch.compile`` on CPU does; about a minute once, then cached by torch in
-``TORCH_EXTENSIONS_DIR``) for the machine it runs on (``-march=native``). If it cannot be built, a warning
-says why and the ops run their PyTorch references (correct, slower).
+``TORCH_EXTENSIONS_DIR``) for the machine it runs on (``-march=native``). ``QuantizedKV.allocate`` asks for
+it when an int4 cache is made on CPU, so the build happens at prefill, not inside a decode step someone is
+timing. If it cannot be built, a warning says why and the ops run their PyTorch references (correct,
+slower).
 """
 
 from __future__ import annotations
