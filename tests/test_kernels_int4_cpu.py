@@ -141,7 +141,8 @@ def test_rows_split_over_threads_give_the_same_result():
     results = []
     for threads in (1, 2):
         torch.set_num_threads(threads)
-        results.append((int4_cpu.int4_logits(query, codes, scale, zero), int4_cpu.int4_values(probs, codes, scale, zero)))
+        results.append((int4_cpu.int4_logits(query, codes, scale, zero),
+                        int4_cpu.int4_values(probs, codes, scale, zero)))
     torch.set_num_threads(1)
     for one, two in zip(*results):
         assert torch.equal(one, two)

@@ -30,10 +30,10 @@ How a block is unpacked, and why:
   ``loadu`` with an element count has no fast path for integer types), which made its uint8 -> float
   conversion ~1.2 ns per element against ~0.1 ns for ATen's. With the op, when int4 codes took the blocks
   too (2-core AVX2 development machine, one thread, ``python -m benchmarks --only decode``), compiled
-  ``h2o_int4`` decoded at 0.89x
-  the tokens/s of compiled dense ``h2o`` at 8k-token prompts, batch 8 (0.61x before), 1.02x at 4k
-  batch 8 (0.63x) and 0.88x at 4k batch 1 (0.82x): BLAS on each block plus the op's ~20 us per call
-  cost about what reading the dense float32 cache does, which is why int4 now skips the blocks.
+  ``h2o_int4`` decoded at 0.89x the tokens/s of compiled dense ``h2o`` at 8k-token prompts, batch 8 (0.61x
+  before), 1.02x at 4k batch 8 (0.63x) and 0.88x at 4k batch 1 (0.82x): BLAS on each block plus the op's
+  ~20 us per call cost about what reading the dense float32 cache does, which is why int4 now skips the
+  blocks.
 - The nibbles are split in float: with ``x`` a byte's value, its high nibble is ``floor(x / 16)`` and its
   low one ``x - 16 * floor(x / 16)``, written as one broadcast expression over the two halves so
   inductor fuses split, scale and zero point into one pass over the block (a ``cat`` of the halves was

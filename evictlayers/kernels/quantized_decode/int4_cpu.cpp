@@ -200,7 +200,8 @@ void values_avx2(const float* probs, const int64_t* ps, const uint8_t* codes, Ro
       const int64_t c = c0 + t;
       const scale_t* scale_c = scale + sr.at(b, h, c);
       const scale_t* zero_c = zero + zr.at(b, h, c);
-      for (int64_t j = 0; j < CHUNKS; ++j) s[t * CHUNKS + j] = static_cast<float>(scale_c[(j / per_group) * sr.strides[3]]);
+      for (int64_t j = 0; j < CHUNKS; ++j)  // one scale per 8 codes: chunk j is in group j / per_group
+        s[t * CHUNKS + j] = static_cast<float>(scale_c[(j / per_group) * sr.strides[3]]);
       for (int64_t k = 0; k < K; ++k) z[t * K + k] = static_cast<float>(zero_c[k * zr.strides[3]]);
       unpack(codes + cr.at(b, h, c), CHUNKS, lo.data() + t * P, hi.data() + t * P);
     }
