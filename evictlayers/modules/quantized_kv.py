@@ -90,7 +90,7 @@ class QuantizedKV(Component):
     ) -> QuantizedSlots:
         """Empty storage for ``capacity`` slots per ``(b, h)``; ``layer`` only names the layer in errors."""
         self.check_dims(head_dim, value_dim, layer)
-        if self.bits == 4 and self.group % 2 == 0 and torch.device(device).type == "cpu":
+        if int4_cpu.serves(self.bits, self.group) and torch.device(device).type == "cpu":
             # the int4 CPU kernel compiles on first use (about a minute, once per machine): here, at prefill,
             # rather than inside the first decode step, where a benchmark or the demo would time it
             int4_cpu.extension()

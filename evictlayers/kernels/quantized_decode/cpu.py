@@ -89,7 +89,7 @@ import torch
 from evictlayers.kernels.common import DecodeAttention, check_packed_inputs, no_mass, reduce_group
 from evictlayers.kernels.decode.naive import slot_softmax
 from evictlayers.kernels.quantization import PackedKV
-from evictlayers.kernels.quantized_decode.int4_cpu import int4_logits, int4_values
+from evictlayers.kernels.quantized_decode.int4_cpu import int4_logits, int4_values, serves
 
 SLOT_BLOCKS = 4  # compiled: blocks the code slots are unpacked in (each block's buffer is 1/4 of a dense copy)
 EAGER_BLOCK_BYTES = 2 << 20  # eager: the most float32 bytes one block's keys or values take (2 MiB)...
@@ -138,7 +138,7 @@ def quantized_decode_attention_with_mass_cpu(
     grouped = query.view(batch, kv_heads, groups, head_dim).float()
     # the query in the codes' channel order, times the keys' channel scale ([B, H_kv, G, D])
     permuted = _codes_order(grouped * packed.key_channel_scale, halves)
-    in_registers = packed.bits == 4 and packed.group % 2 == 0  # int4_cpu.py's ops; otherwise blocks
+    in_registers = serves(packed.bits, packed.group)  # int4_cpu.py's ops; otherwise blocks
     if in_registers:
         blocks = []
         logits = [int4_logits(permuted, packed.key_codes, packed.key_scale, packed.key_zero)]

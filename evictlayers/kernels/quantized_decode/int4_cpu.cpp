@@ -34,13 +34,13 @@ struct Rows {
   int64_t at(int64_t b, int64_t h, int64_t c) const { return b * strides[0] + h * strides[1] + c * strides[2]; }
 };
 
-// A slot's K scales and zero points, as float.
+// A slot's K scales and zero points, as float, group k's at s[k * stride] and z[k * stride].
 template <typename scale_t>
 inline void load_scales(const scale_t* scale, const scale_t* zero, int64_t step_s, int64_t step_z, int64_t K,
-                        float* s, float* z) {
+                        float* s, float* z, int64_t stride = 1) {
   for (int64_t k = 0; k < K; ++k) {
-    s[k] = static_cast<float>(scale[k * step_s]);
-    z[k] = static_cast<float>(zero[k * step_z]);
+    s[k * stride] = static_cast<float>(scale[k * step_s]);
+    z[k * stride] = static_cast<float>(zero[k * step_z]);
   }
 }
 
@@ -148,12 +148,9 @@ void logits_avx2(const float* q, const uint8_t* codes, Rows cr, const scale_t* s
     const int64_t n = std::min(TILE, C - c0);
     for (int64_t t = 0; t < n; ++t) {
       const int64_t c = c0 + t;
-      const scale_t* scale_c = scale + sr.at(b, h, c);
-      const scale_t* zero_c = zero + zr.at(b, h, c);
-      for (int64_t k = 0; k < K; ++k) {  // [k][t]: a group's scales of the tile's slots are one vector
-        s[k * TILE + t] = static_cast<float>(scale_c[k * sr.strides[3]]);
-        z[k * TILE + t] = static_cast<float>(zero_c[k * zr.strides[3]]);
-      }
+      // [k][t]: a group's scales of the tile's slots are one vector
+      load_scales(scale + sr.at(b, h, c), zero + zr.at(b, h, c), sr.strides[3], zr.strides[3], K, s.data() + t,
+                  z.data() + t, TILE);
       unpack(codes + cr.at(b, h, c), chunks, lo.data(), hi.data());
       for (int64_t g = 0; g < G; ++g) {
         const float* qg = q + g * 2 * P;
@@ -276,15 +273,17 @@ void int4_logits(const at::Tensor& query_in, const at::Tensor& codes, const at::
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / H, h = bh % H;
-        const auto args = std::make_tuple(q + bh * G * 2 * P, codes.data_ptr<uint8_t>(), cr, scale.data_ptr<scalar_t>(),
-                                          sr, zero.data_ptr<scalar_t>(), zr, o + bh * G * C, b, h, C, P, G, K);
+        const float* q_bh = q + bh * G * 2 * P;
+        const uint8_t* c = codes.data_ptr<uint8_t>();
+        const scalar_t *s = scale.data_ptr<scalar_t>(), *z = zero.data_ptr<scalar_t>();
+        float* out_bh = o + bh * G * C;
 #if EVICTLAYERS_AVX2
         if ((P / K) % 8 == 0) {
-          std::apply(logits_avx2<scalar_t>, args);
+          logits_avx2<scalar_t>(q_bh, c, cr, s, sr, z, zr, out_bh, b, h, C, P, G, K);
           continue;
         }
 #endif
-        std::apply(logits_scalar<scalar_t>, args);
+        logits_scalar<scalar_t>(q_bh, c, cr, s, sr, z, zr, out_bh, b, h, C, P, G, K);
       }
     });
   });
@@ -311,16 +310,10 @@ void int4_values(const at::Tensor& probs, const at::Tensor& codes, const at::Ten
         float* out_bh = o + bh * G * 2 * P;
 #if EVICTLAYERS_AVX2
         // head dims 64, 128 and 256 (groups of >= 16 channels): a row's output vectors are a compile-time count
-        if ((P / K) % 8 == 0 && P == 32) {
-          values_avx2<4, scalar_t>(probs_bh, ps, c, cr, s, sr, z, zr, out_bh, b, h, C, G, K);
-          continue;
-        }
-        if ((P / K) % 8 == 0 && P == 64) {
-          values_avx2<8, scalar_t>(probs_bh, ps, c, cr, s, sr, z, zr, out_bh, b, h, C, G, K);
-          continue;
-        }
-        if ((P / K) % 8 == 0 && P == 128) {
-          values_avx2<16, scalar_t>(probs_bh, ps, c, cr, s, sr, z, zr, out_bh, b, h, C, G, K);
+        if ((P / K) % 8 == 0 && (P == 32 || P == 64 || P == 128)) {
+          const auto kernel = P == 32 ? values_avx2<4, scalar_t> : P == 64 ? values_avx2<8, scalar_t>
+                                                                           : values_avx2<16, scalar_t>;
+          kernel(probs_bh, ps, c, cr, s, sr, z, zr, out_bh, b, h, C, G, K);
           continue;
         }
 #endif
@@ -330,10 +323,7 @@ void int4_values(const at::Tensor& probs, const at::Tensor& codes, const at::Ten
   });
 }
 
-bool int4_simd() { return EVICTLAYERS_AVX2; }
-
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_logits", &int4_logits, "int4 decode logits (int4_cpu.py)");
   m.def("int4_values", &int4_values, "int4 decode values (int4_cpu.py)");
-  m.def("int4_simd", &int4_simd, "whether the AVX2 path was compiled in");
 }

@@ -60,8 +60,14 @@ _LOCK = threading.Lock()
 _BUILT: dict[str, object] = {}
 
 
+def serves(bits: int, group: int) -> bool:
+    """Whether these ops read codes of ``bits`` and ``group`` (int4 whose groups hold whole bytes): the one rule
+    ``cpu.py`` routes by and ``QuantizedKV.allocate`` builds the extension by."""
+    return bits == 4 and group % 2 == 0
+
+
 def extension():
-    """The compiled module (``int4_logits``, ``int4_values``, ``int4_simd``), built on the first call; ``None``
+    """The compiled module (``int4_logits``, ``int4_values``), built on the first call; ``None``
     (after one warning) when it cannot be built."""
     with _LOCK:
         if "module" not in _BUILT:
