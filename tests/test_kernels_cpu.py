@@ -1,8 +1,9 @@
 """The CPU prefill backend against the naive reference on odd shapes, every option, NaN-poisoned buffers.
 
-Both of its paths are covered: the one-pass blocks (every row whose probabilities are read, and every
-row under softcap or with value heads of another size) and the fused flash op (rows whose output
-alone is needed); small ``max_chunk_elements`` cut the queries into many blocks and chunks."""
+Its paths are covered: the C++ kernel (an in-order prompt whose mass is read; its own tests are in
+``test_kernels_prefill_mass_cpu.py``), the one-pass blocks (every other row whose probabilities are
+read, and every row under softcap or with value heads of another size) and the fused flash op (rows
+whose output alone is needed); small ``max_chunk_elements`` cut the queries into many blocks and chunks."""
 
 import pytest
 import torch
@@ -157,7 +158,9 @@ def test_cpu_prefill_blocks_hold_at_most_max_chunk_elements_logits(monkeypatch):
 
     monkeypatch.setattr(prefill_cpu, "_block", record)
     inputs = prefill_inputs(23, 0, 61, batch=1)
-    compare_prefill(attention_with_mass_cpu, inputs, scaling=0.3, keep_rows=4, max_chunk_elements=2000)
+    gain = torch.full((1, 61), 1.5)  # with the model's softmax the C++ kernel would take these rows
+    compare_prefill(attention_with_mass_cpu, inputs, scaling=0.3, keep_rows=4, max_chunk_elements=2000,
+                    score_gain=gain)
     assert len(shapes) > 3
     for (rows_of, groups, r, _), (_, limit, _) in shapes:
         assert r == 1 or rows_of * groups * r * limit <= 2000

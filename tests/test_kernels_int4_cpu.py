@@ -10,6 +10,7 @@ import warnings
 import pytest
 import torch
 
+from evictlayers.kernels import cpu_extension
 from evictlayers.kernels.quantization import PackedKV, quantize_groups
 from evictlayers.kernels.quantized_decode import int4_cpu
 from kernel_inputs import dequantized, poisoned_empty
@@ -121,7 +122,7 @@ def test_without_the_extension_the_ops_warn_once_and_run_the_references(monkeypa
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
-    monkeypatch.setattr(int4_cpu, "_BUILT", {})
+    monkeypatch.setattr(cpu_extension, "_BUILT", {})
     codes, scale, zero = codes_of((2, 3, 10, 64), 32, torch.bfloat16, 6)
     query = torch.randn(2, 3, 3, 64)
     with pytest.warns(RuntimeWarning, match="could not compile its int4 CPU kernel .*Ninja is required.*install a C"):

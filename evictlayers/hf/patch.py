@@ -23,6 +23,7 @@ from evictlayers.hf.induction import induction_scores
 from evictlayers.hf.rotary import model_rotary_tables
 from evictlayers.hf.sentences import sentence_end_table
 from evictlayers.hf.support import attention_implementation, model_support
+from evictlayers.kernels.prefill import mass_cpu
 
 _EVICTING_CLASSES: dict[type, type] = {}
 
@@ -55,6 +56,10 @@ class EvictionRun:
             scores = induction_scores(model, self.support)
             measured = {"_component_": "Induction", "floor": policy.allocation.floor, "scores": scores}
             self.policy = policy.replace(allocation=measured)
+        if self.policy.reads_mass and model.device.type == "cpu":
+            # the C++ prefill-with-mass kernel is built (once per machine, cached after) or loaded here, not
+            # inside the first prefill someone times
+            mass_cpu.extension()
         # a policy that ranks sentences: which token ids end one, and the current forward's marks [B, Q]
         self._sentence_table: torch.Tensor | None = None
         self.sentence_ends: torch.Tensor | None = None

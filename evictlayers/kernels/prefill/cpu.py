@@ -1,22 +1,28 @@
 """CPU prefill attention with per-slot mass: one logits matmul per block of queries, for output and mass.
 
-Same signature and result as ``prefill/naive.py`` (the reference). The queries are cut into blocks of
-``r`` rows; each block takes every slot its rows can see at once (the causal range: slots past the
-last visible one are skipped), so its softmax rows are complete and their normalisers final. From the
-one ``[B * H_kv, G, r, L]`` logits block come the probabilities (one fused softmax), the output
-``P @ V``, the column sums of ``P`` (H2O Algorithm 1 lines 8-9 accumulate exactly these) and the kept
-rows; with a score gain, the scoring softmax of ``gain * logits`` from the same logits. The logits are
-never computed twice, and the peak extra memory is a few blocks: ``O(r * N)``, never ``N x N``.
-``r`` is sized so that a block stays in each thread's share of the cache, and so that
-``max_chunk_elements`` bounds the logits held at once.
+Same signature and result as ``prefill/naive.py`` (the reference). Three paths, by what a row needs:
 
-Queries whose probabilities nobody reads (``need_mass=False``, outside the last ``keep_rows``) need
-only the output: they go through PyTorch's fused flash attention for CPU
-(``aten._scaled_dot_product_flash_attention_for_cpu``), which also reports each row's log-sum-exp,
-unless softcap or a value head size other than the key's (which the op cannot express) keeps them on
-the blocked path. A whole unpadded prompt on an empty cache takes one call with the op's own causal
-mask (as transformers' SDPA path does); any other layout (padding, older slots, a window shorter than
-the prompt) an additive mask, chunk by chunk.
+- Rows whose mass is read under the model's own softmax, on slots holding their positions in order (a
+  whole prompt, the common case), go to ``mass_cpu.py``'s C++ kernel: flash-style tiles whose
+  probabilities are kept until the rows' normalisers are final, then summed per slot.
+- Every other scored row (a score gain, softcap, padding, unordered slots, the kept rows) goes through
+  blocks: the queries are cut into blocks of ``r`` rows; each block takes every slot its rows can see at
+  once (the causal range: slots past the last visible one are skipped), so its softmax rows are complete
+  and their normalisers final. From the one ``[B * H_kv, G, r, L]`` logits block come the probabilities
+  (one fused softmax), the output ``P @ V``, the column sums of ``P`` (H2O Algorithm 1 lines 8-9
+  accumulate exactly these) and the kept rows; with a score gain, the scoring softmax of ``gain * logits``
+  from the same logits. ``r`` is sized so that a block stays in each thread's share of the cache, and so
+  that ``max_chunk_elements`` bounds the logits held at once.
+- Queries whose probabilities nobody reads (``need_mass=False``, outside the last ``keep_rows``) need
+  only the output: they go through PyTorch's fused flash attention for CPU
+  (``aten._scaled_dot_product_flash_attention_for_cpu``), which also reports each row's log-sum-exp,
+  unless softcap or a value head size other than the key's (which the op cannot express) keeps them on
+  the blocked path. A whole unpadded prompt on an empty cache takes one call with the op's own causal
+  mask (as transformers' SDPA path does); any other layout (padding, older slots, a window shorter than
+  the prompt) an additive mask, chunk by chunk.
+
+The logits are never computed twice, and the peak extra memory is a few blocks: ``O(r * N)``, never
+``N x N``.
 
 GQA: the ``G`` query heads of a KV head are one ``[G * r, D]`` matrix against that head's ``[L, D]``
 keys, so each key block is multiplied once per group and nothing is copied; the visibility mask is one
@@ -32,6 +38,7 @@ import bisect
 import torch
 
 from evictlayers.kernels.common import AttentionMass, check_inputs, reduce_group
+from evictlayers.kernels.prefill import mass_cpu
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 # logits per block and thread: 2**20 float32 (4 MiB). Measured on one core at 2k-8k tokens: smaller
@@ -129,6 +136,19 @@ def attention_with_mass_cpu(
             # the op reports 0 for a row that sees nothing; the contract is -inf (no probability mass)
             lse[:, :, lo:hi] = row_lse.masked_fill(bias.amax(-1) < 0, float("-inf"))
 
+    # rows whose mass is read, under the model's softmax on in-order slots: the one-pass C++ kernel
+    fused_rows = first_kept_row if need_mass and mass_cpu.serves(
+        query_pos, key_pos, softcap=softcap, score_gain=score_gain, max_chunk_elements=max_chunk_elements) else 0
+    if fused_rows:
+        seen = fused_rows + n_slots - q_len  # the last fused row's slots: the prefix up to its own
+        mass_cpu.prefill_mass(
+            _last_dim_dense(queries[:, :, :fused_rows]), _last_dim_dense(keys[:, :seen]), _last_dim_dense(values[:, :seen]),
+            scaling=scaling, window=sliding_window, need_mass=True,
+            rows=mass_cpu.block_rows(seen, max_chunk_elements), out=out[:, :, :fused_rows],
+            lse=lse[:, :, :fused_rows] if lse is not None else out.new_empty(rows_of, groups, fused_rows),
+            mass=per_head_mass[..., :seen],
+        )
+
     # every other row: one logits block per r rows, for the output, the LSE and the probabilities;
     # cap: rows x slots per block, so that a block's logits fit the cache and max_chunk_elements
     cap = max(1, min(_BLOCK_ELEMENTS_PER_THREAD * torch.get_num_threads(), max_chunk_elements) // (rows_of * groups))
@@ -136,7 +156,7 @@ def attention_with_mass_cpu(
     # with a window a row's leading slots may be out of its reach: every slot is masked then
     seen_by_all = _seen_by_all(key_pos) if sliding_window is None else None
     lowest = query_pos.amin(dim=0).tolist()  # per query index, the lowest position over the batch
-    lo = flash_rows
+    lo = max(flash_rows, fused_rows)
     while lo < q_len:
         # the most rows whose block, up to the last row's limit, stays under the cap (at least one); a
         # block never straddles the first kept row, so the kept rows get the same blocks, and the same
@@ -231,10 +251,13 @@ def _plain_causal(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window
     padding, and no window hides a slot: then query ``i`` sees exactly slots ``0..i``, the flash op's
     ``is_causal`` mask (top-left aligned). A whole prompt on an empty cache is such a call."""
     q_len, n_slots = query_pos.shape[1], key_pos.shape[2]
-    if n_slots != q_len or (sliding_window is not None and sliding_window < q_len):
-        return False
-    steps = query_pos.diff(dim=1)
-    return bool((query_pos[:, 0] >= 0).all() and (steps == 1).all() and (key_pos == query_pos[:, None, :]).all())
+    return (n_slots == q_len and (sliding_window is None or sliding_window >= q_len)
+            and mass_cpu.in_order(query_pos, key_pos))
+
+
+def _last_dim_dense(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` itself when its last dim is contiguous (the C++ kernel's need), else a contiguous copy."""
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
 def _seen_by_all(key_pos: torch.Tensor):

@@ -35,9 +35,8 @@ The AVX2 paths need groups of a multiple of 16 channels (8 bytes per load), and 
 256; other even groups and head dims, or a machine without AVX2 and FMA, run scalar C++ loops with the same
 arithmetic.
 
-The extension is compiled on first use with ``torch.utils.cpp_extension.load`` (needs a C++ compiler and
-ninja, as ``torch.compile`` on CPU does; about a minute once, then cached by torch in
-``TORCH_EXTENSIONS_DIR``) for the machine it runs on (``-march=native``). ``QuantizedKV.allocate`` asks for
+The extension is compiled on first use by ``kernels/cpu_extension.py`` (about a minute once, then cached by
+torch) for the machine it runs on. ``QuantizedKV.allocate`` asks for
 it when an int4 cache is made on CPU, so the build happens at prefill, not inside a decode step someone is
 timing. If it cannot be built, a warning says why and the ops run their PyTorch references (correct,
 slower).
@@ -45,19 +44,14 @@ slower).
 
 from __future__ import annotations
 
-import logging
-import threading
-import warnings
 from pathlib import Path
 
 import torch
 
+from evictlayers.kernels.cpu_extension import build
 from evictlayers.kernels.quantization import unpack_int4
 
 SOURCE = Path(__file__).with_name("int4_cpu.cpp")
-_LOG = logging.getLogger(__name__)
-_LOCK = threading.Lock()
-_BUILT: dict[str, object] = {}
 
 
 def serves(bits: int, group: int) -> bool:
@@ -67,24 +61,10 @@ def serves(bits: int, group: int) -> bool:
 
 
 def extension():
-    """The compiled module (``int4_logits``, ``int4_values``), built on the first call; ``None``
-    (after one warning) when it cannot be built."""
-    with _LOCK:
-        if "module" not in _BUILT:
-            from torch.utils.cpp_extension import load
-
-            _LOG.info("compiling %s (once per machine; torch caches the build)", SOURCE.name)
-            try:
-                _BUILT["module"] = load(name="evictlayers_int4_cpu", sources=[str(SOURCE)],
-                                        extra_cflags=["-O3", "-march=native"], verbose=False)
-            except Exception as error:  # a missing compiler or ninja shows up as any of several error types
-                warnings.warn(
-                    f"evictlayers could not compile its int4 CPU kernel ({SOURCE}): {error}. int4 decode on CPU "
-                    "runs the PyTorch reference instead (same results, slower); install a C++ compiler and ninja "
-                    "to build it.", RuntimeWarning, stacklevel=2,
-                )
-                _BUILT["module"] = None
-        return _BUILT["module"]
+    """The compiled module (``int4_logits``, ``int4_values``), built on the first call; ``None`` (after one
+    warning) when it cannot be built."""
+    return build("evictlayers_int4_cpu", SOURCE, "int4 CPU kernel",
+                 "int4 decode on CPU runs the PyTorch reference instead (same results, slower)")
 
 
 def dequantized_codes_order(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:

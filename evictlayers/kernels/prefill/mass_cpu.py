@@ -1,0 +1,103 @@
+"""Causal prefill attention with every slot's column mass in one pass over the logits, on CPU: ``prefill_mass``,
+a C++ kernel (``mass_cpu.cpp``) with its PyTorch reference beside it.
+
+Why a kernel. Attention mass needs each query row's softmax complete before its probabilities are summed.
+``cpu.py``'s blocks get that by giving each block of rows every slot it sees at once, so at 8k-16k tokens a
+block that fits the cache is a few rows thin, its matmuls run well below BLAS's rate, and the softmax, the
+column sums and ``P @ V`` each read the block again: the blocks took 1.75x the fused flash op's time at 4k
+tokens and 2.2x at 8k (one thread, SmolLM2's shape), while the flash op computes no mass at all.
+
+What it computes. Per query head and block of ``BLOCK_ROWS`` (128) rows, the slots are taken in tiles of 512 as flash
+attention does (Dao et al., FlashAttention, Algorithm 1): the tile's logits by BLAS, each row's running max
+``m`` and sum ``l``, and ``P~ @ V`` accumulated by BLAS with the running rescale. Each tile's ``P~ = exp(logits
+- m(t))`` stays in a ``[rows, span]`` scratch with the max ``m(t)`` it was taken against; once the block's rows
+are complete their log-sum-exp is final, and one pass over the scratch gives each slot its mass (H2O,
+Algorithm 1, lines 8-9: the column sums of the probabilities),
+
+    mass[j] += sum_i exp(m_i(t_j) - lse_i) * P~[i, j].
+
+The logits are computed once; the scratch (``rows x N`` floats per thread, fewer rows when that would
+exceed ``max_chunk_elements`` in all) is the only extra memory, never ``N x N``. Each thread sums the mass of its blocks into its own buffer, added at the end.
+
+What it serves (``serves``): the model's own softmax (no score gain, no softcap) on queries that are the
+last ``Q`` of ``N`` slots holding consecutive positions (a whole prompt on an empty cache, or a chunk after
+in-order slots), with or without a sliding window. ``cpu.py`` sends those rows here and keeps its blocks
+for everything else, and for every row when the kernel cannot be built (``kernels/cpu_extension.py``).
+It calls BLAS's ``sgemm_`` as linked into PyTorch (MKL on x86 wheels).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from evictlayers.kernels.cpu_extension import build
+
+SOURCE = Path(__file__).with_name("mass_cpu.cpp")
+# query rows per block, at most: each thread's scratch is rows x N floats. Interleaved with the fused flash op on
+# one thread (9 query heads over 3 KV heads, head dim 64), 128 rows took 1.05-1.1x its time at 8k tokens
+# against 1.2-1.3x for 32 or 64 (thinner matmuls) and 1.0-1.4x for 256 (a scratch out of the cache)
+BLOCK_ROWS = 128
+
+
+def extension():
+    """The compiled module (``prefill_mass``), built on the first call; ``None`` (after one warning) when it
+    cannot be built."""
+    return build("evictlayers_prefill_mass_cpu", SOURCE, "CPU prefill-with-mass kernel",
+                 "prefill with attention mass on CPU runs the PyTorch blocks instead (same results, slower)")
+
+
+def in_order(query_pos: torch.Tensor, key_pos: torch.Tensor) -> bool:
+    """Whether every row's slots hold consecutive positions from a non-negative first one, the same at every
+    head, and its ``Q`` queries are the last ``Q`` of them: then query ``i`` sees exactly slots ``0 ..
+    i + N - Q`` (before any window), the kernel's mask. ``query_pos`` ``[B, Q]``, ``key_pos`` ``[B, H_kv,
+    N]``."""
+    q_len, n_slots = query_pos.shape[1], key_pos.shape[2]
+    if q_len > n_slots:
+        return False
+    start = key_pos[:, :1, :1]
+    expected = start + torch.arange(n_slots, device=key_pos.device)
+    return bool((start >= 0).all() and (key_pos == expected).all()
+                and (query_pos == expected[:, 0, n_slots - q_len :]).all())
+
+
+def block_rows(n_slots: int, max_chunk_elements: int) -> int:
+    """Query rows per block: ``BLOCK_ROWS``, or fewer so that every thread's ``rows x n_slots`` scratch stays
+    within ``max_chunk_elements`` floats in all (0: not even one row fits)."""
+    return min(BLOCK_ROWS, max_chunk_elements // (n_slots * torch.get_num_threads()))
+
+
+def serves(query_pos: torch.Tensor, key_pos: torch.Tensor, *, softcap: float | None,
+           score_gain: torch.Tensor | None, max_chunk_elements: int) -> bool:
+    """Whether ``prefill_mass`` computes this call's mass: CPU, the model's softmax, in-order slots, a block of
+    at least one row within ``max_chunk_elements``, and the kernel built."""
+    return (key_pos.device.type == "cpu" and softcap is None and score_gain is None
+            and block_rows(key_pos.shape[2], max_chunk_elements) > 0 and in_order(query_pos, key_pos)
+            and extension() is not None)
+
+
+def prefill_mass(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scaling: float, window: int | None,
+                 need_mass: bool, rows: int, out: torch.Tensor, lse: torch.Tensor, mass: torch.Tensor) -> None:
+    """Fill ``out`` ``[R, G, Q, D_v]`` and ``lse`` ``[R, G, Q]``, and add each query head's column mass to
+    ``mass`` ``[R, G, N]`` (left as it is with ``need_mass=False``), for query ``[R, G, Q, D]`` against key
+    ``[R, N, D]`` and value ``[R, N, D_v]``, all float32 with a contiguous last dim (views of larger buffers
+    are fine). Query ``i`` sees slot ``j`` iff ``j <= i + N - Q`` and, with a ``window``, ``j > i + N - Q -
+    window``. ``rows``: query rows per block (``block_rows``). Needs the extension (``serves``)."""
+    extension().prefill_mass(query, key, value, scaling, window or 0, need_mass, rows, out, lse, mass)
+
+
+def prefill_mass_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scaling: float,
+                           window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The formula ``prefill_mass`` computes, densely (``[R, G, Q, N]`` logits; for tests): ``(out, lse, mass)``
+    with mass ``[R, G, N]``, the probabilities summed over each query head's rows."""
+    q_len, n_slots = query.shape[2], key.shape[1]
+    logits = torch.einsum("rgqd,rnd->rgqn", query.double(), key.double()) * scaling
+    row = torch.arange(q_len)[:, None] + n_slots - q_len
+    slot = torch.arange(n_slots)[None, :]
+    visible = (slot <= row) & ((slot > row - window) if window else True)
+    logits = logits.masked_fill(~visible, float("-inf"))
+    lse = logits.logsumexp(-1)
+    probs = (logits - lse[..., None]).exp()
+    out = torch.einsum("rgqn,rnd->rgqd", probs, value.double())
+    return out.float(), lse.float(), probs.sum(2).float()
