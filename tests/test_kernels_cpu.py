@@ -158,9 +158,9 @@ def test_cpu_prefill_blocks_hold_at_most_max_chunk_elements_logits(monkeypatch):
 
     monkeypatch.setattr(prefill_cpu, "_block", record)
     inputs = prefill_inputs(23, 0, 61, batch=1)
-    gain = torch.full((1, 61), 1.5)  # with the model's softmax the C++ kernel would take these rows
+    softcap = 50.0  # without one the C++ kernel would take these rows
     compare_prefill(attention_with_mass_cpu, inputs, scaling=0.3, keep_rows=4, max_chunk_elements=2000,
-                    score_gain=gain)
+                    softcap=softcap)
     assert len(shapes) > 3
     for (rows_of, groups, r, _), (_, limit, _) in shapes:
         assert r == 1 or rows_of * groups * r * limit <= 2000

@@ -27,7 +27,7 @@ def kernel_inputs(shape, seed=0):
             torch.randn(rows_of, n_slots, head_dim, generator=g), torch.randn(rows_of, n_slots, v_dim, generator=g))
 
 
-def run_kernel(query, key, value, *, window, rows, need_mass=True, mass_start=None):
+def run_kernel(query, key, value, *, window, rows, need_mass=True, mass_start=None, gain=None):
     """The kernel writing into views of NaN-filled buffers (every other element of out and lse, a slice of a
     wider mass buffer starting at ``mass_start``, zeros by default)."""
     rows_of, groups, q_len, _ = query.shape
@@ -37,8 +37,8 @@ def run_kernel(query, key, value, *, window, rows, need_mass=True, mass_start=No
     mass_buffer = torch.full((rows_of, groups, n_slots + 5), float("nan"))
     mass = mass_buffer[..., 2 : n_slots + 2]
     mass.copy_(torch.zeros(rows_of, groups, n_slots) if mass_start is None else mass_start)
-    mass_cpu.prefill_mass(query, key, value, scaling=0.3, window=window, need_mass=need_mass, rows=rows, out=out,
-                          lse=lse, mass=mass)
+    mass_cpu.prefill_mass(query, key, value, gain=gain, scaling=0.3, window=window, need_mass=need_mass, rows=rows,
+                          out=out, lse=lse, mass=mass)
     assert mass_buffer[..., :2].isnan().all() and mass_buffer[..., n_slots + 2 :].isnan().all()
     return out, lse, mass
 
@@ -55,10 +55,18 @@ def run_kernel(query, key, value, *, window, rows, need_mass=True, mass_start=No
     ],
     ids=["one-tile", "chunk-after-older", "window", "rows7-window-dv", "one-query", "window1"],
 )
-def test_prefill_mass_matches_the_dense_reference(shape, window, rows):
+@pytest.mark.parametrize("with_gain", [False, True], ids=["model-softmax", "score-gain"])
+def test_prefill_mass_matches_the_dense_reference(shape, window, rows, with_gain):
+    """With a score gain (one factor >= 0 per query row, a few of them 0: uniform over the visible slots) the
+    mass is that of ``softmax(gain * logits)``, while the output and LSE stay the model's."""
     query, key, value = kernel_inputs(shape)
-    out, lse, mass = run_kernel(query, key, value, window=window, rows=rows)
-    want_out, want_lse, want_mass = mass_cpu.prefill_mass_reference(query, key, value, scaling=0.3, window=window)
+    gain = None
+    if with_gain:
+        gain = torch.rand(shape[0], shape[2], generator=torch.Generator().manual_seed(7)) * 3
+        gain[:, ::5] = 0.0
+    out, lse, mass = run_kernel(query, key, value, window=window, rows=rows, gain=gain)
+    want_out, want_lse, want_mass = mass_cpu.prefill_mass_reference(query, key, value, scaling=0.3, window=window,
+                                                                    gain=gain)
     for name, got, want in (("out", out, want_out), ("lse", lse, want_lse), ("mass", mass, want_mass)):
         assert not got.isnan().any(), f"{name} has NaN (an element never written?)"
         torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-5, msg=lambda m, name=name: f"{name}: {m}")
@@ -97,11 +105,11 @@ def test_the_kernel_checks_its_inputs():
     module = mass_cpu.extension()
     query, key, value = kernel_inputs((2, 3, 10, 12, 16, 16))
 
-    def call(q=query, k=key, v=value, window=0, rows=8, out=None, lse=None, mass=None):
+    def call(q=query, k=key, v=value, gain=torch.empty(0), window=0, rows=8, out=None, lse=None, mass=None):
         out = torch.empty(2, 3, q.shape[2], v.shape[2]) if out is None else out
         lse = torch.empty(2, 3, q.shape[2]) if lse is None else lse
         mass = torch.zeros(2, 3, k.shape[1]) if mass is None else mass
-        module.prefill_mass(q, k, v, 0.3, window, True, rows, out, lse, mass)
+        module.prefill_mass(q, k, v, gain, 0.3, window, True, rows, out, lse, mass)
 
     with pytest.raises(RuntimeError, match="key must be a CPU float32 tensor of shape"):
         call(k=key.double())
@@ -117,6 +125,10 @@ def test_the_kernel_checks_its_inputs():
         call(rows=0)
     with pytest.raises(RuntimeError, match="mass .* must be a CPU float32 tensor of shape"):
         call(mass=torch.zeros(2, 3, 11))
+    with pytest.raises(RuntimeError, match="gain .* must be a CPU float32 tensor of shape"):
+        call(gain=torch.ones(2, 9))
+    with pytest.raises(RuntimeError, match="gain must be >= 0"):
+        call(gain=-torch.ones(2, 10))
 
 
 @pytest.fixture
@@ -135,12 +147,14 @@ def kernel_calls(monkeypatch):
 
 @pytest.mark.parametrize("reduce", ["sum", "mean", "max"])
 @pytest.mark.parametrize("window", [None, 9], ids=["causal", "window"])
-def test_cpu_prefill_sends_an_in_order_prompt_to_the_kernel(kernel_calls, reduce, window):
+@pytest.mark.parametrize("with_gain", [False, True], ids=["model-softmax", "score-gain"])
+def test_cpu_prefill_sends_an_in_order_prompt_to_the_kernel(kernel_calls, reduce, window, with_gain):
     """A whole prompt with its mass read: every row but the kept ones through the kernel, the kept rows through
     the blocks, all matching the naive reference (output, LSE, mass, kept rows)."""
     inputs = prefill_inputs(41, 0, 150, groups=3, batch=1)
+    gain = torch.rand(1, 150, generator=torch.Generator().manual_seed(8)) * 2 if with_gain else None
     compare_prefill(attention_with_mass_cpu, inputs, scaling=0.3, sliding_window=window, gqa_reduce=reduce,
-                    keep_rows=6)
+                    keep_rows=6, score_gain=gain)
     assert kernel_calls == [(144, 144)]
 
 
@@ -156,14 +170,14 @@ def test_cpu_prefill_sends_a_chunk_after_in_order_slots_to_the_kernel(kernel_cal
 
 
 @pytest.mark.parametrize(
-    "case", ["padded", "unordered", "score-gain", "softcap", "no-mass", "small-chunks"],
+    "case", ["padded", "unordered", "negative-gain", "softcap", "no-mass", "small-chunks"],
 )
 def test_cpu_prefill_keeps_other_calls_on_its_blocks(kernel_calls, case):
     batch = 2 if case == "padded" else 1
     query, key, value, query_pos, key_pos = prefill_inputs(43, 9 if case == "unordered" else 0, 60, batch=batch)
     options = {"keep_rows": 4}
-    if case == "score-gain":
-        options["score_gain"] = torch.full((1, 60), 1.5)
+    if case == "negative-gain":  # the kernel's running max assumes gain >= 0
+        options["score_gain"] = torch.linspace(-1, 1, 60)[None]
     if case == "softcap":
         options["softcap"] = 3.0
     if case == "no-mass":

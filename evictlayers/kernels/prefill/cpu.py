@@ -2,10 +2,10 @@
 
 Same signature and result as ``prefill/naive.py`` (the reference). Three paths, by what a row needs:
 
-- Rows whose mass is read under the model's own softmax, on slots holding their positions in order (a
-  whole prompt, the common case), go to ``mass_cpu.py``'s C++ kernel: flash-style tiles whose
-  probabilities are kept until the rows' normalisers are final, then summed per slot.
-- Every other scored row (a score gain, softcap, padding, unordered slots, the kept rows) goes through
+- Rows whose mass is read, on slots holding their positions in order (a whole prompt, the common case),
+  go to ``mass_cpu.py``'s C++ kernel: flash-style tiles whose probabilities are kept until the rows'
+  normalisers are final, then summed per slot (with or without a score gain).
+- Every other scored row (softcap, padding, unordered slots, the kept rows) goes through
   blocks: the queries are cut into blocks of ``r`` rows; each block takes every slot its rows can see at
   once (the causal range: slots past the last visible one are skipped), so its softmax rows are complete
   and their normalisers final. From the one ``[B * H_kv, G, r, L]`` logits block come the probabilities
@@ -136,15 +136,17 @@ def attention_with_mass_cpu(
             # the op reports 0 for a row that sees nothing; the contract is -inf (no probability mass)
             lse[:, :, lo:hi] = row_lse.masked_fill(bias.amax(-1) < 0, float("-inf"))
 
-    # rows whose mass is read, under the model's softmax on in-order slots: the one-pass C++ kernel
+    # rows whose mass is read, on in-order slots: the one-pass C++ kernel
     fused_rows = first_kept_row if need_mass and mass_cpu.serves(
         query_pos, key_pos, softcap=softcap, score_gain=score_gain, max_chunk_elements=max_chunk_elements) else 0
     if fused_rows:
         seen = fused_rows + n_slots - q_len  # the last fused row's slots: the prefix up to its own
+        gain = None if score_gain is None else score_gain.float().repeat_interleave(kv_heads, dim=0)[:, :fused_rows]
         mass_cpu.prefill_mass(
-            _last_dim_dense(queries[:, :, :fused_rows]), _last_dim_dense(keys[:, :seen]), _last_dim_dense(values[:, :seen]),
-            scaling=scaling, window=sliding_window, need_mass=True,
-            rows=mass_cpu.block_rows(seen, max_chunk_elements), out=out[:, :, :fused_rows],
+            _last_dim_dense(queries[:, :, :fused_rows]), _last_dim_dense(keys[:, :seen]),
+            _last_dim_dense(values[:, :seen]), gain=None if gain is None else gain.contiguous(), scaling=scaling,
+            window=sliding_window, need_mass=True, rows=mass_cpu.block_rows(seen, max_chunk_elements),
+            out=out[:, :, :fused_rows],
             lse=lse[:, :, :fused_rows] if lse is not None else out.new_empty(rows_of, groups, fused_rows),
             mass=per_head_mass[..., :seen],
         )

@@ -7,8 +7,8 @@ block that fits the cache is a few rows thin, its matmuls run well below BLAS's 
 column sums and ``P @ V`` each read the block again: the blocks took 1.75x the fused flash op's time at 4k
 tokens and 2.2x at 8k (one thread, SmolLM2's shape), while the flash op computes no mass at all.
 
-What it computes. Per query head and block of ``BLOCK_ROWS`` (128) rows, the slots are taken in tiles of 512 as flash
-attention does (Dao et al., FlashAttention, Algorithm 1): the tile's logits by BLAS, each row's running max
+What it computes. Per query head and block of ``BLOCK_ROWS`` (128) rows, the slots are taken in tiles of
+512 as flash attention does (Dao et al., FlashAttention, Algorithm 1): the tile's logits by BLAS, each row's running max
 ``m`` and sum ``l``, and ``P~ @ V`` accumulated by BLAS with the running rescale. Each tile's ``P~ = exp(logits
 - m(t))`` stays in a ``[rows, span]`` scratch with the max ``m(t)`` it was taken against; once the block's rows
 are complete their log-sum-exp is final, and one pass over the scratch gives each slot its mass (H2O,
@@ -17,11 +17,17 @@ Algorithm 1, lines 8-9: the column sums of the probabilities),
     mass[j] += sum_i exp(m_i(t_j) - lse_i) * P~[i, j].
 
 The logits are computed once; the scratch (``rows x N`` floats per thread, fewer rows when that would
-exceed ``max_chunk_elements`` in all) is the only extra memory, never ``N x N``. Each thread sums the mass of its blocks into its own buffer, added at the end.
+exceed ``max_chunk_elements`` in all) is the only extra memory, never ``N x N``. Each thread sums the
+mass of its blocks into its own buffer, added at the end.
 
-What it serves (``serves``): the model's own softmax (no score gain, no softcap) on queries that are the
-last ``Q`` of ``N`` slots holding consecutive positions (a whole prompt on an empty cache, or a chunk after
-in-order slots), with or without a sliding window. ``cpu.py`` sends those rows here and keeps its blocks
+With a score gain (AhaKV's SG-softmax, a factor ``g_i >= 0`` per query row) the mass is that of
+``softmax(g_i * logits)``: its running max is ``g_i`` times the model's, so the scratch keeps ``exp(g_i *
+(logits - m(t)))`` with one more running sum, and the model's probabilities for ``P @ V`` go to a tile of
+their own.
+
+What it serves (``serves``): no softcap, a gain (if any) >= 0, on queries that are the last ``Q`` of ``N``
+slots holding consecutive positions (a whole prompt on an empty cache, or a chunk after in-order slots),
+with or without a sliding window. ``cpu.py`` sends those rows here and keeps its blocks
 for everything else, and for every row when the kernel cannot be built (``kernels/cpu_extension.py``).
 It calls BLAS's ``sgemm_`` as linked into PyTorch (MKL on x86 wheels).
 """
@@ -70,27 +76,33 @@ def block_rows(n_slots: int, max_chunk_elements: int) -> int:
 
 def serves(query_pos: torch.Tensor, key_pos: torch.Tensor, *, softcap: float | None,
            score_gain: torch.Tensor | None, max_chunk_elements: int) -> bool:
-    """Whether ``prefill_mass`` computes this call's mass: CPU, the model's softmax, in-order slots, a block of
-    at least one row within ``max_chunk_elements``, and the kernel built."""
-    return (key_pos.device.type == "cpu" and softcap is None and score_gain is None
+    """Whether ``prefill_mass`` computes this call's mass: CPU, no softcap, a score gain (if any) >= 0, in-order
+    slots, a block of at least one row within ``max_chunk_elements``, and the kernel built."""
+    return (key_pos.device.type == "cpu" and softcap is None
+            and (score_gain is None or bool((score_gain >= 0).all()))
             and block_rows(key_pos.shape[2], max_chunk_elements) > 0 and in_order(query_pos, key_pos)
             and extension() is not None)
 
 
-def prefill_mass(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scaling: float, window: int | None,
-                 need_mass: bool, rows: int, out: torch.Tensor, lse: torch.Tensor, mass: torch.Tensor) -> None:
+def prefill_mass(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, gain: torch.Tensor | None,
+                 scaling: float, window: int | None, need_mass: bool, rows: int, out: torch.Tensor, lse: torch.Tensor,
+                 mass: torch.Tensor) -> None:
     """Fill ``out`` ``[R, G, Q, D_v]`` and ``lse`` ``[R, G, Q]``, and add each query head's column mass to
     ``mass`` ``[R, G, N]`` (left as it is with ``need_mass=False``), for query ``[R, G, Q, D]`` against key
     ``[R, N, D]`` and value ``[R, N, D_v]``, all float32 with a contiguous last dim (views of larger buffers
     are fine). Query ``i`` sees slot ``j`` iff ``j <= i + N - Q`` and, with a ``window``, ``j > i + N - Q -
-    window``. ``rows``: query rows per block (``block_rows``). Needs the extension (``serves``)."""
-    extension().prefill_mass(query, key, value, scaling, window or 0, need_mass, rows, out, lse, mass)
+    window``. The mass is that of the model's softmax, or with ``gain`` (``[R, Q]``, >= 0) of
+    ``softmax(gain * logits)`` (the output and LSE stay the model's). ``rows``: query rows per block
+    (``block_rows``). Needs the extension (``serves``)."""
+    gain = torch.empty(0) if gain is None else gain
+    extension().prefill_mass(query, key, value, gain, scaling, window or 0, need_mass, rows, out, lse, mass)
 
 
 def prefill_mass_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scaling: float,
-                           window: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           window: int | None, gain: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The formula ``prefill_mass`` computes, densely (``[R, G, Q, N]`` logits; for tests): ``(out, lse, mass)``
-    with mass ``[R, G, N]``, the probabilities summed over each query head's rows."""
+    with mass ``[R, G, N]``, the scoring probabilities summed over each query head's rows."""
     q_len, n_slots = query.shape[2], key.shape[1]
     logits = torch.einsum("rgqd,rnd->rgqn", query.double(), key.double()) * scaling
     row = torch.arange(q_len)[:, None] + n_slots - q_len
@@ -100,4 +112,7 @@ def prefill_mass_reference(query: torch.Tensor, key: torch.Tensor, value: torch.
     lse = logits.logsumexp(-1)
     probs = (logits - lse[..., None]).exp()
     out = torch.einsum("rgqn,rnd->rgqd", probs, value.double())
+    if gain is not None:
+        gained = (logits.masked_fill(~visible, 0.0) * gain.double()[:, None, :, None]).masked_fill(~visible, -torch.inf)
+        probs = gained.softmax(-1)
     return out.float(), lse.float(), probs.sum(2).float()
