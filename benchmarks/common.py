@@ -32,8 +32,8 @@ DEFAULT_MODEL = "default"
 # Rough throughput of the embedded model on one core of the 2-core machine it was calibrated on
 # (1,024- and 2,048-token prefills, a 512-token decode), for the printed time estimate only.
 FLOPS = 7.0e10  # fp32 matmuls of a prefill, per core
-SCORED_ATTENTION = 3.1  # evictlayers' prefill attention with per-key mass costs ~3x plain SDPA attention
-SCORED_LINEAR = 1.4  # and ~40% more per token for its chunk bookkeeping
+SCORED_ATTENTION = 1.3  # evictlayers' prefill attention with per-key mass (the C++ kernel): ~1.05-1.3x plain SDPA's
+SCORED_LINEAR = 1.1  # and ~10% more per token for its bookkeeping
 BYTES_PER_S = 5.0e9  # what a decode step reads and copies (a DynamicCache copies itself every step)
 # one torch.compile (or recompile for a new shape) of one evictlayers decode step, or of the HF forward
 # per decoder layer it holds

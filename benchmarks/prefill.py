@@ -1,8 +1,9 @@
 """``prefill``: seconds and peak resident memory of one batch-1 prefill of a long PG-19 prompt.
 
 ``hf-sdpa`` (baseline) is the unmodified model with SDPA attention; ``el-h2o`` runs the same prompt
-under ``evictlayers/recipes/h2o.yaml`` (20%), whose prefill also computes every key's attention mass chunk by
-chunk and keeps 20% of the tokens; ``el-streaming_llm`` (no scorer) and ``el-keydiff`` (keys only) read
+under ``evictlayers/recipes/h2o.yaml`` (20%), whose prefill also computes every key's attention mass and
+keeps 20% of the tokens; ``el-ahakv`` scores with AhaKV's SG-softmax (the mass of ``softmax(gain *
+logits)``, a second normaliser per row); ``el-streaming_llm`` (no scorer) and ``el-keydiff`` (keys only) read
 no attention mass, so their prefill is the flash pass alone (plus KeyDiff's cosines). All compute the
 last position's logits only, as ``generate()``.
 
@@ -30,13 +31,14 @@ NAME = "prefill"
 USES_MODEL = True
 BASELINE = "hf-sdpa"
 DEFAULT_REPEATS = 1  # a 16k prefill takes minutes on 2 cores; --repeats N runs N processes per config
-CONFIGS = ("hf-sdpa", "el-h2o", "el-streaming_llm", "el-keydiff")
+CONFIGS = ("hf-sdpa", "el-h2o", "el-ahakv", "el-streaming_llm", "el-keydiff")
+SCORED = ("el-h2o", "el-ahakv")  # the configurations whose prefill computes attention mass
 LOAD_S = 5.0  # loading the model in a fresh process, for the estimate only
 
 
 def prompts(quick: bool, chosen: tuple[int, ...] | None = None) -> tuple[int, ...]:
     """``chosen`` (``--prompts``), else the suite's own lengths."""
-    return chosen or ((64, 128) if quick else (8192, 16384))
+    return chosen or ((192, 256) if quick else (8192, 16384))  # quick: long enough for ahakv's 32-token window at 20%
 
 
 def skip_reason(context: Context) -> str | None:
@@ -116,7 +118,7 @@ def cases(context: Context) -> list[Case]:
     out = []
     for tokens in prompts(settings.quick, settings.prompts):
         for config in CONFIGS:
-            prefill_s = estimate_prefill_s(context.subject.geometry, tokens, config == "el-h2o", context.cores)
+            prefill_s = estimate_prefill_s(context.subject.geometry, tokens, config in SCORED, context.cores)
             estimate = repeats * (LOAD_S + prefill_s)
             out.append(Case(NAME, config, {"prompt": tokens}, estimate, lambda c=config, t=tokens: measure(c, t)))
     return out
