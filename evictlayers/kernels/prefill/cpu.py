@@ -136,17 +136,18 @@ def attention_with_mass_cpu(
             # the op reports 0 for a row that sees nothing; the contract is -inf (no probability mass)
             lse[:, :, lo:hi] = row_lse.masked_fill(bias.amax(-1) < 0, float("-inf"))
 
+    # each (batch, KV head) row's score gain [B * H_kv, Q], for the kernel and the blocks alike
+    gains = None if score_gain is None else score_gain.float().repeat_interleave(kv_heads, dim=0)
     # rows whose mass is read, on in-order slots: the one-pass C++ kernel
     fused_rows = first_kept_row if need_mass and mass_cpu.serves(
         query_pos, key_pos, softcap=softcap, score_gain=score_gain, max_chunk_elements=max_chunk_elements) else 0
     if fused_rows:
         seen = fused_rows + n_slots - q_len  # the last fused row's slots: the prefix up to its own
-        gain = None if score_gain is None else score_gain.float().repeat_interleave(kv_heads, dim=0)[:, :fused_rows]
         mass_cpu.prefill_mass(
             _last_dim_dense(queries[:, :, :fused_rows]), _last_dim_dense(keys[:, :seen]),
-            _last_dim_dense(values[:, :seen]), gain=None if gain is None else gain.contiguous(), scaling=scaling,
-            window=sliding_window, need_mass=True, rows=mass_cpu.block_rows(seen, max_chunk_elements),
-            out=out[:, :, :fused_rows],
+            _last_dim_dense(values[:, :seen]), gain=None if gains is None else gains[:, :fused_rows].contiguous(),
+            scaling=scaling, window=sliding_window, need_mass=True,
+            rows=mass_cpu.block_rows(seen, max_chunk_elements), out=out[:, :, :fused_rows],
             lse=lse[:, :, :fused_rows] if lse is not None else out.new_empty(rows_of, groups, fused_rows),
             mass=per_head_mass[..., :seen],
         )
@@ -154,7 +155,7 @@ def attention_with_mass_cpu(
     # every other row: one logits block per r rows, for the output, the LSE and the probabilities;
     # cap: rows x slots per block, so that a block's logits fit the cache and max_chunk_elements
     cap = max(1, min(_BLOCK_ELEMENTS_PER_THREAD * torch.get_num_threads(), max_chunk_elements) // (rows_of * groups))
-    row_gain = None if score_gain is None else score_gain.float().repeat_interleave(kv_heads, dim=0)[:, None, :, None]
+    row_gain = None if gains is None else gains[:, None, :, None]
     # with a window a row's leading slots may be out of its reach: every slot is masked then
     seen_by_all = _seen_by_all(key_pos) if sliding_window is None else None
     lowest = query_pos.amin(dim=0).tolist()  # per query index, the lowest position over the batch

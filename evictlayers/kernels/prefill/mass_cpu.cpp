@@ -101,7 +101,7 @@ void attend_block(const float* q, int64_t q_stride, const float* k, int64_t k_st
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t rows = i1 - i0, offset = N - Q;
   const auto first_seen = [&](int64_t i) { return window > 0 ? std::max<int64_t>(0, i + offset - window + 1) : 0; };
-  const int64_t lo = first_seen(i0), hi = i1 - 1 + offset + 1, span = hi - lo;
+  const int64_t lo = first_seen(i0), hi = i1 + offset, span = hi - lo;  // the block's slots [lo, hi)
   const int64_t n_tiles = (span + kTile - 1) / kTile;
   // [rows, span], row stride span: the scoring probabilities, kept for the mass. Without a gain they are the
   // model's, which P @ V reads from here too; with one, the model's go to a [rows, kTile] tile of their own.
@@ -221,7 +221,7 @@ void prefill_mass(const torch::Tensor& query, const torch::Tensor& key, const to
     for (int64_t worker = begin; worker < end; ++worker) {
       Scratch s;
       s.probs.resize(block_rows * N);
-      s.tile_max.resize(((N + kTile - 1) / kTile + 1) * block_rows);
+      s.tile_max.resize((N + kTile - 1) / kTile * block_rows);
       s.model.resize(gained ? block_rows * kTile : 0);
       s.acc.resize(block_rows * Dv);
       s.row_max.resize(block_rows);
