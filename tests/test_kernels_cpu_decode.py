@@ -1,13 +1,15 @@
 """The CPU decode backend against the naive reference: through the fused flash op when no mass is wanted
 (odd slot counts, GQA 1-4, padding rows and rows that see nothing, empty slots, sliding window, fp32 and
-16-bit caches, a shape-generic compiled graph), and exactly the naive where it hands the call over (the
-mass wanted, softcap, value heads of another size). Buffers ``torch.empty`` hands out are NaN-poisoned."""
+16-bit caches, a shape-generic compiled graph), and the naive's steps where the op cannot serve (the mass
+wanted, softcap, value heads of another size): with the C++ slot ops, or exactly the naive without them.
+Buffers ``torch.empty`` hands out are NaN-poisoned."""
 
 import pytest
 import torch
 from torch._dynamo.utils import counters
 
 from evictlayers.kernels.decode import cpu as decode_cpu
+from evictlayers.kernels.decode import slots_cpu
 from evictlayers.kernels.decode.cpu import decode_attention_with_mass_cpu
 from evictlayers.kernels.decode.naive import decode_attention_with_mass
 from kernel_inputs import flash_mask_spy, poisoned_empty, prefill_inputs
@@ -54,17 +56,33 @@ def test_a_row_that_sees_nothing_gets_zero_output_and_no_normaliser():
 
 
 @pytest.mark.parametrize(
-    "need_mass,softcap,v_dim", [(True, None, None), (False, 4.0, None), (False, None, 40)],
-    ids=["mass", "softcap", "dv-wider"],
+    "need_mass,softcap,v_dim,dtype",
+    [(True, None, None, torch.float32), (False, 4.0, None, torch.float32), (False, None, 40, torch.float32),
+     (True, None, None, torch.bfloat16)],
+    ids=["mass", "softcap", "dv-wider", "mass-bf16"],
 )
-def test_what_the_fused_op_cannot_express_is_the_naive(need_mass, softcap, v_dim, monkeypatch):
+@pytest.mark.parametrize("kernel", [True, False], ids=["slot-ops", "matmul"])
+def test_what_the_fused_op_cannot_express_is_the_naive(need_mass, softcap, v_dim, dtype, kernel, monkeypatch):
+    """The naive's steps: with the C++ slot ops (float32 sums over the same logits, so close to the naive's
+    matmuls, which run in the cache dtype), or without them exactly the naive."""
     monkeypatch.setattr(decode_cpu, "_FLASH", None)  # never reached
-    inputs = decode_inputs(5, 30, 3, v_dim=v_dim)
-    kwargs = dict(scaling=0.3, softcap=softcap, sliding_window=12, gqa_reduce="max", need_mass=need_mass)
+    if not kernel:
+        monkeypatch.setattr(slots_cpu, "serves", lambda *tensors: False)
+    inputs = decode_inputs(5, 30, 3, v_dim=v_dim, dtype=dtype)
+    kwargs = dict(scaling=0.3, softcap=softcap, sliding_window=12, gqa_reduce="max", need_mass=need_mass,
+                  score_gain=torch.tensor([1.5, 0.5]))
     got = decode_attention_with_mass_cpu(*inputs, **kwargs)
     want = decode_attention_with_mass(*inputs, **kwargs)
+    if not kernel:
+        for a, b in zip(got, want):
+            assert torch.equal(a, b)
+        return
+    assert slots_cpu.available()
+    atol = 1e-5 if dtype == torch.float32 else 2e-2
     for a, b in zip(got, want):
-        assert torch.equal(a, b)
+        assert a.dtype == b.dtype and a.shape == b.shape
+        torch.testing.assert_close(a.float(), b.float(), rtol=1e-4, atol=atol)
+    assert (got.out[1] == 0).all() and (got.lse[1] == float("-inf")).all() and (got.mass[1] == 0).all()
 
 
 def test_compiles_into_one_graph_for_every_slot_count():

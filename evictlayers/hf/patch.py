@@ -23,6 +23,7 @@ from evictlayers.hf.induction import induction_scores
 from evictlayers.hf.rotary import model_rotary_tables
 from evictlayers.hf.sentences import sentence_end_table
 from evictlayers.hf.support import attention_implementation, model_support
+from evictlayers.kernels.decode import slots_cpu
 from evictlayers.kernels.prefill import mass_cpu
 
 _EVICTING_CLASSES: dict[type, type] = {}
@@ -60,6 +61,8 @@ class EvictionRun:
             # the C++ prefill-with-mass kernel is built (once per machine, cached after) or loaded here, not
             # inside the first prefill someone times
             mass_cpu.extension()
+        if self.policy.decode_needs_mass and model.device.type == "cpu":
+            slots_cpu.extension()  # likewise the decode's matmuls over the slots (those steps read the mass)
         # a policy that ranks sentences: which token ids end one, and the current forward's marks [B, Q]
         self._sentence_table: torch.Tensor | None = None
         self.sentence_ends: torch.Tensor | None = None

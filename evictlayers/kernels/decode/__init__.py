@@ -3,7 +3,7 @@
 - ``naive.py``: ``decode_attention_with_mass``, the plain PyTorch reference (logits once, for output and
   mass); it compiles into the fixed-shape decode graph;
 - ``cpu.py``: ``decode_attention_with_mass_cpu``, PyTorch's fused flash attention for CPU when no mass is
-  wanted, the naive code otherwise;
+  wanted, the naive steps with ``slots_cpu.py``'s C++ matmuls otherwise;
 - ``triton.py``: ``decode_attention_with_mass_triton``, imported on first use only (triton reads
   ``TRITON_INTERPRET`` when a kernel is defined).
 

@@ -11,8 +11,9 @@ is expanded or copied; visibility (filled, not in the future, inside the window)
 op's unmasked path as transformers' call does (measured with SmolLM2's shapes, 4,096 slots, 30 layers'
 worth of separate buffers, one thread: ~10% less time per call than the masked one, before the bias it
 no longer builds). Where the mass is wanted, or where the op cannot express the call (softcap, value
-heads of another size than the keys), this backend is ``naive.py`` itself:
-logits once for output and mass.
+heads of another size than the keys), this backend is ``naive.py``'s steps (logits once for output and
+mass) with its two matmuls done by ``slots_cpu.py``'s C++ ops, which read each slot once for every query
+row of its GQA group (``torch.matmul``'s where those cannot be built, or a gradient is wanted).
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from evictlayers.kernels.common import DecodeAttention, check_inputs, no_mass
-from evictlayers.kernels.decode.naive import decode_attention_with_mass
+from evictlayers.kernels.decode import slots_cpu
+from evictlayers.kernels.decode.naive import decode_attention_with, decode_attention_with_mass
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
@@ -47,10 +49,12 @@ def decode_attention_with_mass_cpu(
     empty, none past the query, none outside a window, no padding query), so no mask is built; the
     result is the same as without it whenever the promise holds."""
     if need_mass or softcap is not None or value.shape[-1] != key.shape[-1]:
-        return decode_attention_with_mass(
-            query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap, sliding_window=sliding_window,
-            gqa_reduce=gqa_reduce, score_gain=score_gain, need_mass=need_mass,
-        )
+        options = {"scaling": scaling, "softcap": softcap, "sliding_window": sliding_window, "gqa_reduce": gqa_reduce,
+                   "score_gain": score_gain, "need_mass": need_mass}
+        if slots_cpu.serves(query, key, value):
+            return decode_attention_with(slots_cpu.slot_logits, slots_cpu.slot_values, query, key, value, query_pos,
+                                         key_pos, **options)
+        return decode_attention_with_mass(query, key, value, query_pos, key_pos, **options)
     groups = check_inputs(query, key, value, query_pos, key_pos, gqa_reduce=gqa_reduce, score_gain=score_gain)
     batch, q_heads, head_dim = query.shape
     kv_heads, n_slots = key_pos.shape[1:]

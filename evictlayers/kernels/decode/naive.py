@@ -2,14 +2,16 @@
 
 One query per row, so there is no query chunking and no host synchronisation: every op has a fixed
 shape, which is what lets the slot store's decode step compile into one graph
-(``torch.compile(fullgraph=True)``); on CPU the dispatcher runs it whenever the mass is wanted
-(``cpu.py`` hands such calls here). The logits are
-computed once and serve both the output and the mass (H2O Algorithm 1 lines 8-9 accumulate exactly
-this mass); the cache is never cast or copied: the matmuls run in the cache dtype and only the
-``[B, H, N]`` logits are float32.
+(``torch.compile(fullgraph=True)``). The logits are computed once and serve both the output and the mass
+(H2O Algorithm 1 lines 8-9 accumulate exactly this mass); the cache is never cast or copied: the matmuls
+run in the cache dtype and only the ``[B, H, N]`` logits are float32. ``cpu.py`` runs the same steps
+(``decode_attention_with``) with its C++ matmuls whenever the mass is wanted, and this file's where those
+cannot be built.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -48,16 +50,54 @@ def decode_attention_with_mass(
         need_mass: ``False`` when the caller reads the output and LSE only (no scorer reads the mass):
             the mass is not computed and comes back as zeros.
     """
+    return decode_attention_with(
+        matmul_logits, matmul_values, query, key, value, query_pos, key_pos, scaling=scaling, softcap=softcap,
+        sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain, need_mass=need_mass,
+    )
+
+
+def matmul_logits(grouped: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``[B, H_kv, G, D]`` query rows against ``[B, H_kv, N, D]`` keys -> ``[B, H_kv, G, N]`` float32 logits,
+    the matmul in the cache dtype (the cache is never cast or copied)."""
+    return torch.matmul(grouped.to(key.dtype), key.transpose(-1, -2)).float()
+
+
+def matmul_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """``[B, H_kv, G, N]`` probabilities over ``[B, H_kv, N, D_v]`` values -> ``[B, H_kv, G, D_v]``, in the
+    cache dtype."""
+    return torch.matmul(probs.to(value.dtype), value)
+
+
+def decode_attention_with(
+    logits_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    values_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None,
+    sliding_window: int | None,
+    gqa_reduce: str,
+    score_gain: torch.Tensor | None,
+    need_mass: bool,
+) -> DecodeAttention:
+    """``decode_attention_with_mass`` (same arguments after the first two) with its two matmuls supplied:
+    ``logits_of(grouped query [B, H_kv, G, D] float32, key)`` -> float32 ``[B, H_kv, G, N]`` and
+    ``values_of(probs [B, H_kv, G, N] float32, value)`` -> ``[B, H_kv, G, D_v]`` (``matmul_logits`` and
+    ``matmul_values`` here; the CPU backend's C++ ops)."""
     groups = check_inputs(query, key, value, query_pos, key_pos, gqa_reduce=gqa_reduce, score_gain=score_gain)
     batch, q_heads, head_dim = query.shape
     kv_heads = key.shape[1]
-    grouped = query.view(batch, kv_heads, groups, head_dim).to(key.dtype)
-    logits = torch.matmul(grouped, key.transpose(-1, -2)).float() * scaling  # [B, H_kv, G, N]
+    grouped = query.view(batch, kv_heads, groups, head_dim).float()
+    logits = logits_of(grouped, key) * scaling  # [B, H_kv, G, N]
     probs, lse, scores = slot_softmax(
         logits, query_pos, key_pos, softcap=softcap, sliding_window=sliding_window, score_gain=score_gain,
         need_mass=need_mass,
     )
-    out = torch.matmul(probs.to(value.dtype), value)  # [B, H_kv, G, D_v]
+    out = values_of(probs, value)  # [B, H_kv, G, D_v]
     mass = reduce_group(scores, gqa_reduce) if need_mass else no_mass(*key_pos.shape, key_pos.device)
     return DecodeAttention(out.reshape(batch, q_heads, -1).to(query.dtype), mass, lse.reshape(batch, q_heads))
 

@@ -1,0 +1,262 @@
+// Decode attention's two matmuls over dense KV slots on CPU, for the query rows of a GQA group at once
+// (slots_cpu.py documents the ops and holds their PyTorch references):
+//
+//   slot_logits(query [B,H,G,D] f32, keys [B,H,C,D])      -> [B,H,G,C] f32   logit[g,c] = q[g] . k[c]
+//   slot_values(probs [B,H,G,C] f32, values [B,H,C,Dv])   -> [B,H,G,Dv] f32  out[g] = sum_c p[g,c] v[c]
+//
+// keys and values are float32, bfloat16 or float16 (converted to float32 in registers); any strides whose last
+// dimension is contiguous. The ops register themselves as the CPU kernels of evictlayers::slot_logits and
+// evictlayers::slot_values (schemas defined in slots_cpu.py), so a call goes from the dispatcher straight here.
+//
+// Loops (AVX2 + FMA): QK walks the slots in tiles of 8, each slot's key read once for up to 4 query rows, the
+// tile's 8 vectors of partial sums per row reduced to one vector over the tile by a tree of hadd. PV walks the
+// slots in tiles of 64 and, per block of up to 3 query rows and 32 output channels, keeps the 12 accumulators
+// in registers across the tile. Head dims that are not a multiple of 8, or a machine without AVX2 and FMA,
+// take the scalar loops, which compute the same sums.
+#include <torch/extension.h>
+#include <ATen/Dispatch_v2.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define EVICTLAYERS_AVX2 1
+#else
+#define EVICTLAYERS_AVX2 0
+#endif
+
+namespace {
+
+// Where one (b, h) row's slot c starts in a [B, H, C, X] tensor, by its strides.
+struct Rows {
+  const int64_t* strides;
+  int64_t at(int64_t b, int64_t h, int64_t c) const { return b * strides[0] + h * strides[1] + c * strides[2]; }
+};
+
+template <typename kv_t>
+void logits_scalar(const float* q, const kv_t* keys, Rows kr, float* out, int64_t b, int64_t h, int64_t C,
+                   int64_t D, int64_t G) {
+  for (int64_t c = 0; c < C; ++c) {
+    const kv_t* k = keys + kr.at(b, h, c);
+    for (int64_t g = 0; g < G; ++g) {
+      float total = 0;
+      for (int64_t d = 0; d < D; ++d) total += q[g * D + d] * static_cast<float>(k[d]);
+      out[g * C + c] = total;
+    }
+  }
+}
+
+template <typename kv_t>
+void values_scalar(const float* probs, const int64_t* ps, const kv_t* values, Rows vr, float* out, int64_t b,
+                   int64_t h, int64_t C, int64_t Dv, int64_t G) {
+  std::fill(out, out + G * Dv, 0.f);
+  for (int64_t c = 0; c < C; ++c) {
+    const kv_t* v = values + vr.at(b, h, c);
+    for (int64_t g = 0; g < G; ++g) {
+      const float weight = probs[g * ps[2] + c * ps[3]];
+      for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] += weight * static_cast<float>(v[d]);
+    }
+  }
+}
+
+#if EVICTLAYERS_AVX2
+// 8 consecutive elements as 8 floats
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const at::BFloat16* x) {  // a bfloat16 is the high half of a float32
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load8(const at::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
+
+// the horizontal sums of 8 vectors (8 floats each, consecutive), in order, in one vector
+inline __m256 sum8(const float* v) {
+  auto at = [v](int i) { return _mm256_loadu_ps(v + 8 * i); };
+  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(at(0), at(1)), _mm256_hadd_ps(at(2), at(3)));
+  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(at(4), at(5)), _mm256_hadd_ps(at(6), at(7)));
+  // ab holds each of sums 0-3 as two partial sums, one per 128-bit lane; cd likewise for sums 4-7
+  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+constexpr int64_t QK_TILE = 8, QK_ROWS = 4;
+
+// rows g0 .. g0 + R of one tile of n <= 8 slots: partial sums per (row, slot), then one vector per row
+template <int64_t R, typename kv_t>
+void logits_tile(const float* q, const kv_t* const* slot, int64_t n, int64_t D, int64_t g0, float* partial,
+                 float* out, int64_t C, int64_t c0) {
+  for (int64_t t = 0; t < QK_TILE; ++t) {
+    __m256 acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    if (t < n)
+      for (int64_t d = 0; d < D; d += 8) {
+        const __m256 k = load8(slot[t] + d);
+        for (int64_t r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(q + (g0 + r) * D + d), k, acc[r]);
+      }
+    for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(partial + (r * QK_TILE + t) * 8, acc[r]);
+  }
+  for (int64_t r = 0; r < R; ++r) {
+    const __m256 logits = sum8(partial + r * QK_TILE * 8);
+    float* dest = out + (g0 + r) * C + c0;
+    if (n == QK_TILE) {
+      _mm256_storeu_ps(dest, logits);
+    } else {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, logits);
+      std::copy(lanes, lanes + n, dest);
+    }
+  }
+}
+
+template <typename kv_t>
+void logits_avx2(const float* q, const kv_t* keys, Rows kr, float* out, int64_t b, int64_t h, int64_t C, int64_t D,
+                 int64_t G) {
+  // Slots outer, query rows inner: a tile's keys (8 x D elements) stay in L1 while every row block reads them.
+  alignas(32) float partial[QK_ROWS * QK_TILE * 8];
+  const kv_t* slot[QK_TILE];
+  for (int64_t c0 = 0; c0 < C; c0 += QK_TILE) {
+    const int64_t n = std::min(QK_TILE, C - c0);
+    for (int64_t t = 0; t < n; ++t) slot[t] = keys + kr.at(b, h, c0 + t);
+    for (int64_t g0 = 0; g0 < G; g0 += QK_ROWS) {
+      switch (std::min(QK_ROWS, G - g0)) {
+        case 4: logits_tile<4>(q, slot, n, D, g0, partial, out, C, c0); break;
+        case 3: logits_tile<3>(q, slot, n, D, g0, partial, out, C, c0); break;
+        case 2: logits_tile<2>(q, slot, n, D, g0, partial, out, C, c0); break;
+        default: logits_tile<1>(q, slot, n, D, g0, partial, out, C, c0); break;
+      }
+    }
+  }
+}
+
+constexpr int64_t PV_TILE_BYTES = 16384, PV_ROWS = 3, PV_VECTORS = 4;
+
+// rows g0 .. g0 + R, channels d0 .. d0 + 8 * V, slots c0 .. c0 + n: the R x V accumulators stay in registers
+template <int64_t R, int64_t V, typename kv_t>
+void values_block(const float* probs, const int64_t* ps, const kv_t* values, Rows vr, float* acc, int64_t b,
+                  int64_t h, int64_t c0, int64_t n, int64_t Dv, int64_t g0, int64_t d0) {
+  __m256 a[R][V];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < V; ++j) a[r][j] = _mm256_loadu_ps(acc + (g0 + r) * Dv + d0 + 8 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t c = c0 + t;
+    const kv_t* v = values + vr.at(b, h, c) + d0;
+    __m256 w[R];
+    for (int64_t r = 0; r < R; ++r) w[r] = _mm256_set1_ps(probs[(g0 + r) * ps[2] + c * ps[3]]);
+    for (int64_t j = 0; j < V; ++j) {
+      const __m256 x = load8(v + 8 * j);
+      for (int64_t r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(w[r], x, a[r][j]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < V; ++j) _mm256_storeu_ps(acc + (g0 + r) * Dv + d0 + 8 * j, a[r][j]);
+}
+
+template <int64_t R, typename kv_t>
+void values_rows(const float* probs, const int64_t* ps, const kv_t* values, Rows vr, float* acc, int64_t b, int64_t h,
+                 int64_t c0, int64_t n, int64_t Dv, int64_t g0) {
+  int64_t d0 = 0;
+  for (; d0 + 8 * PV_VECTORS <= Dv; d0 += 8 * PV_VECTORS)
+    values_block<R, PV_VECTORS>(probs, ps, values, vr, acc, b, h, c0, n, Dv, g0, d0);
+  for (; d0 < Dv; d0 += 8) values_block<R, 1>(probs, ps, values, vr, acc, b, h, c0, n, Dv, g0, d0);
+}
+
+template <typename kv_t>
+void values_avx2(const float* probs, const int64_t* ps, const kv_t* values, Rows vr, float* out, int64_t b, int64_t h,
+                 int64_t C, int64_t Dv, int64_t G) {
+  // The output is the accumulator: each block loads its vectors once per tile of slots, not once per slot.
+  std::fill(out, out + G * Dv, 0.f);
+  const int64_t tile = std::max<int64_t>(8, PV_TILE_BYTES / (Dv * static_cast<int64_t>(sizeof(kv_t))));
+  for (int64_t c0 = 0; c0 < C; c0 += tile) {
+    const int64_t n = std::min(tile, C - c0);
+    for (int64_t g0 = 0; g0 < G; g0 += PV_ROWS) {
+      switch (std::min(PV_ROWS, G - g0)) {
+        case 3: values_rows<3>(probs, ps, values, vr, out, b, h, c0, n, Dv, g0); break;
+        case 2: values_rows<2>(probs, ps, values, vr, out, b, h, c0, n, Dv, g0); break;
+        default: values_rows<1>(probs, ps, values, vr, out, b, h, c0, n, Dv, g0); break;
+      }
+    }
+  }
+}
+#endif
+
+void check(const at::Tensor& rows, const char* rows_name, const at::Tensor& slots, const char* slots_name) {
+  TORCH_CHECK(rows.device().is_cpu() && slots.device().is_cpu(), "evictlayers slot ops on CPU take CPU tensors");
+  TORCH_CHECK(rows.dim() == 4 && rows.scalar_type() == at::kFloat, rows_name, " must be [B, H, G, X] float32, got ",
+              rows.sizes(), " ", rows.scalar_type());
+  TORCH_CHECK(slots.dim() == 4 && slots.stride(3) == 1, slots_name,
+              " must be [B, H, C, X] with a contiguous last dimension, got sizes ", slots.sizes(), " strides ",
+              slots.strides());
+  TORCH_CHECK(slots.scalar_type() == at::kFloat || slots.scalar_type() == at::kBFloat16 ||
+                  slots.scalar_type() == at::kHalf,
+              slots_name, " must be float32, bfloat16 or float16, got ", slots.scalar_type());
+  TORCH_CHECK(rows.size(0) == slots.size(0) && rows.size(1) == slots.size(1), rows_name, " ", rows.sizes(),
+              " and ", slots_name, " ", slots.sizes(), " must share [B, H]");
+}
+
+}  // namespace
+
+at::Tensor slot_logits(const at::Tensor& query_in, const at::Tensor& keys) {
+  check(query_in, "query", keys, "keys");
+  TORCH_CHECK(query_in.size(3) == keys.size(3), "query ", query_in.sizes(), " and keys ", keys.sizes(),
+              " must have the same head dim");
+  const at::Tensor query = query_in.contiguous();
+  const int64_t B = keys.size(0), H = keys.size(1), C = keys.size(2), D = keys.size(3), G = query.size(2);
+  at::Tensor out = at::empty({B, H, G, C}, query.options());
+  AT_DISPATCH_V2(keys.scalar_type(), "slot_logits", AT_WRAP([&] {
+    const Rows kr{keys.strides().data()};
+    const float* q = query.data_ptr<float>();
+    const scalar_t* k = keys.data_ptr<scalar_t>();
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / H, h = bh % H;
+#if EVICTLAYERS_AVX2
+        if (D % 8 == 0) {
+          logits_avx2<scalar_t>(q + bh * G * D, k, kr, o + bh * G * C, b, h, C, D, G);
+          continue;
+        }
+#endif
+        logits_scalar<scalar_t>(q + bh * G * D, k, kr, o + bh * G * C, b, h, C, D, G);
+      }
+    });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
+  return out;
+}
+
+at::Tensor slot_values(const at::Tensor& probs, const at::Tensor& values) {
+  check(probs, "probs", values, "values");
+  TORCH_CHECK(probs.size(3) == values.size(2), "probs ", probs.sizes(), " must have one column per slot of values ",
+              values.sizes());
+  const int64_t B = values.size(0), H = values.size(1), C = values.size(2), Dv = values.size(3), G = probs.size(2);
+  at::Tensor out = at::empty({B, H, G, Dv}, probs.options());
+  AT_DISPATCH_V2(values.scalar_type(), "slot_values", AT_WRAP([&] {
+    const Rows vr{values.strides().data()};
+    const int64_t* ps = probs.strides().data();
+    const float* p = probs.data_ptr<float>();
+    const scalar_t* v = values.data_ptr<scalar_t>();
+    float* o = out.data_ptr<float>();
+    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t bh = begin; bh < end; ++bh) {
+        const int64_t b = bh / H, h = bh % H;
+        const float* probs_bh = p + b * ps[0] + h * ps[1];
+#if EVICTLAYERS_AVX2
+        if (Dv % 8 == 0) {
+          values_avx2<scalar_t>(probs_bh, ps, v, vr, o + bh * G * Dv, b, h, C, Dv, G);
+          continue;
+        }
+#endif
+        values_scalar<scalar_t>(probs_bh, ps, v, vr, o + bh * G * Dv, b, h, C, Dv, G);
+      }
+    });
+  }), at::kFloat, at::kBFloat16, at::kHalf);
+  return out;
+}
+
+TORCH_LIBRARY_IMPL(evictlayers, CPU, m) {
+  m.impl("slot_logits", &slot_logits);
+  m.impl("slot_values", &slot_values);
+}
+
+// torch.utils.cpp_extension.load imports the build as a Python module
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

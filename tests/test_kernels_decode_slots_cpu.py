@@ -1,0 +1,143 @@
+"""The C++ decode matmuls over dense slots (``kernels/decode/slots_cpu.cpp``) against float64 matmuls.
+
+Odd shapes: slot counts around the kernels' tiles (8 slots for the logits, 64 for the values), GQA groups
+1-9 (row blocks of 4 and 3 with remainders), head dims through the vector paths (multiples of 8 with and
+without a 32-channel remainder) and the scalar one (not a multiple of 8); float32, bfloat16 and float16
+slots. Slots are views into NaN-filled buffers (a wider row stride, slots past the end), so a read outside
+the view poisons the result; the probabilities are a strided view too."""
+
+import pytest
+import torch
+
+from evictlayers.kernels import cpu_extension
+from evictlayers.kernels.decode import slots_cpu
+from evictlayers.kernels.decode.slots_cpu import slot_logits, slot_values
+from tiny_models import single_thread  # noqa: F401 (autouse fixture)
+
+pytestmark = pytest.mark.skipif(not slots_cpu.available(), reason="the C++ slot kernel could not be built here")
+
+
+def nan_framed(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` ``[B, H, C, D]`` as ``dtype``, a view into a buffer of NaNs 2 slots longer and 5 channels
+    wider (row stride ``D + 5``, a contiguous last dimension)."""
+    batch, heads, slots, dim = values.shape
+    frame = torch.full((batch, heads, slots + 2, dim + 5), float("nan"), dtype=dtype)
+    frame[:, :, 1 : slots + 1, :dim] = values.to(dtype)
+    return frame[:, :, 1 : slots + 1, :dim]
+
+
+SHAPES = [  # batch, kv heads, groups, head dim, slots
+    (2, 3, 3, 64, 130),
+    (1, 2, 1, 64, 7),
+    (2, 1, 4, 256, 65),
+    (1, 2, 5, 40, 64),
+    (3, 1, 9, 24, 9),
+    (1, 1, 7, 128, 1),
+    (2, 2, 2, 12, 33),  # a head dim the vector loops do not take
+    (1, 1, 3, 8, 200),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"b{b}-h{h}-g{g}-d{d}-c{c}" for b, h, g, d, c in SHAPES])
+def test_both_ops_match_float64_matmuls(shape, dtype):
+    batch, heads, groups, dim, slots = shape
+    generator = torch.Generator().manual_seed(sum(shape))
+    query = torch.randn(batch, heads, groups, dim, generator=generator)
+    keys = nan_framed(torch.randn(batch, heads, slots, dim, generator=generator), dtype)
+    values = nan_framed(torch.randn(batch, heads, slots, dim, generator=generator), dtype)
+    probs_frame = torch.full((batch, heads, groups, slots + 3), float("nan"))
+    probs_frame[..., 2 : slots + 2] = torch.softmax(torch.randn(batch, heads, groups, slots, generator=generator), -1)
+    probs = probs_frame[..., 2 : slots + 2]
+
+    logits = slot_logits(query, keys)
+    out = slot_values(probs, values)
+
+    want_logits = query.double() @ keys.double().transpose(-1, -2)
+    want_out = probs.double() @ values.double()
+    assert logits.dtype == out.dtype == torch.float32
+    assert logits.shape == (batch, heads, groups, slots) and out.shape == (batch, heads, groups, dim)
+    torch.testing.assert_close(logits.double(), want_logits, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(out.double(), want_out, rtol=1e-5, atol=1e-5)
+
+
+def test_value_heads_of_another_size_and_two_threads():
+    """``D_v != D``; every (batch, head) is one task, so two threads give the same bits as one."""
+    generator = torch.Generator().manual_seed(3)
+    probs = torch.softmax(torch.randn(3, 2, 3, 77, generator=generator), -1)
+    values = torch.randn(3, 2, 77, 48, generator=generator)
+    query, keys = torch.randn(3, 2, 3, 16, generator=generator), torch.randn(3, 2, 77, 16, generator=generator)
+    one = slot_values(probs, values), slot_logits(query, keys)
+    torch.set_num_threads(2)
+    try:
+        two = slot_values(probs, values), slot_logits(query, keys)
+    finally:
+        torch.set_num_threads(1)
+    assert all(torch.equal(a, b) for a, b in zip(one, two))
+    torch.testing.assert_close(one[0].double(), probs.double() @ values.double(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "call,message",
+    [
+        (lambda: slot_logits(torch.randn(1, 2, 3, 8).half(), torch.randn(1, 2, 5, 8)), "query must be .* float32"),
+        (lambda: slot_logits(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 8, 5).transpose(-1, -2)),
+         "keys must be .* contiguous last dimension"),
+        (lambda: slot_logits(torch.randn(1, 2, 3, 8), torch.randn(1, 3, 5, 8)), "must share \\[B, H\\]"),
+        (lambda: slot_logits(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 16)), "same head dim"),
+        (lambda: slot_logits(torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8).double()),
+         "keys must be float32, bfloat16 or float16"),
+        (lambda: slot_values(torch.randn(1, 2, 3, 6), torch.randn(1, 2, 5, 8)), "one column per slot"),
+    ],
+    ids=["query-dtype", "strided-channels", "batch-heads", "head-dim", "slot-dtype", "probs-columns"],
+)
+def test_bad_inputs_are_refused_with_what_was_wrong(call, message):
+    with pytest.raises(RuntimeError, match=message):
+        call()
+
+
+def test_the_compiled_decode_step_calls_them_as_one_graph_for_every_slot_count():
+    """Under ``torch.compile(fullgraph=True)`` the ops are opaque calls with ``register_fake``'s shapes: one
+    shape-generic graph after the first, and the result of the eager ops."""
+    from torch._dynamo.utils import counters
+
+    compiled = torch.compile(lambda q, k, v, p: (slot_logits(q, k), slot_values(p, v)), fullgraph=True, dynamic=None)
+    torch._dynamo.reset()
+    counters.clear()
+    for slots in (17, 40, 101):
+        query, keys, values = torch.randn(2, 2, 3, 32), torch.randn(2, 2, slots, 32), torch.randn(2, 2, slots, 32)
+        probs = torch.softmax(torch.randn(2, 2, 3, slots), -1)
+        got, want = compiled(query, keys, values, probs), (slot_logits(query, keys), slot_values(probs, values))
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+
+
+def test_without_the_extension_nothing_is_sent_to_them(monkeypatch):
+    """A machine that cannot build the kernel: ``serves`` is false and ``decode/cpu.py`` runs torch.matmul."""
+    monkeypatch.setattr(cpu_extension, "_BUILT", {"evictlayers_slots_cpu": None})
+    tensors = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    assert not slots_cpu.serves(*tensors)
+    monkeypatch.setattr(cpu_extension, "_BUILT", {})
+    assert slots_cpu.serves(*tensors)  # built (or loaded from torch's cache) again
+
+
+def test_a_gradient_or_an_unsupported_cache_takes_the_matmuls():
+    """The ops have no backward, and read float32/bfloat16/float16 CPU slots with contiguous channels."""
+    query, keys, values = torch.randn(1, 2, 3, 8), torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8)
+    assert slots_cpu.serves(query, keys, values)
+    assert not slots_cpu.serves(query.requires_grad_(), keys, values)
+    assert not slots_cpu.serves(query.detach(), keys.double(), values)
+    assert not slots_cpu.serves(query.detach(), keys.transpose(-1, -2), values)
+
+
+@pytest.mark.parametrize("recipe,built", [("h2o", True), ("streaming_llm", False)])
+def test_applying_a_policy_whose_decode_reads_mass_builds_the_kernel(monkeypatch, recipe, built):
+    """The build (or the load of a cached build) happens at ``apply``, not inside the first decode step."""
+    import evictlayers as el
+    from tiny_models import build
+
+    calls = []
+    monkeypatch.setattr(slots_cpu, "extension", lambda: calls.append(1))
+    with el.apply(build("llama"), el.load_recipe(recipe)):
+        pass
+    assert bool(calls) == built
