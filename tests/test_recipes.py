@@ -17,7 +17,7 @@ import evictlayers as el
 RECIPES_DIR = Path(el.__file__).parent / "recipes"
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
 # the recipe search's candidates (evictlayers/eval/candidates/): not shipped, but loaded by the report's runs
-CANDIDATES = sorted((Path(el.__file__).parent / "eval" / "candidates").glob("*.yaml"))
+CANDIDATES = sorted((Path(el.__file__).parent / "eval" / "candidates").rglob("*.yaml"))
 
 # the optional top-level keys and what leaving them out means (compose/recipes.py docstring, Policy's
 # signature); `budget` and `modules` are always written
