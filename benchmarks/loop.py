@@ -43,10 +43,12 @@ def prefill(model, ids: torch.Tensor, cache=None):
 def tiled(cache, batch: int, keep=()):
     """A copy of a batch-1 ``cache`` holding ``batch`` identical rows; the source is left untouched.
 
-    ``keep`` are objects the copy must share rather than duplicate (an evictlayers policy: a compiled
-    decode step is specialised on the policy object, so a duplicate would recompile).
+    ``keep`` are objects the copy must share rather than duplicate (an evictlayers policy, with the policy
+    its sliding-window layers run: a compiled decode step is specialised on the policy object, so a
+    duplicate would recompile).
     """
-    duplicate = copy.deepcopy(cache, memo={id(obj): obj for obj in keep})
+    shared = [obj for kept in keep for obj in getattr(kept, "layer_policies", (kept,))]
+    duplicate = copy.deepcopy(cache, memo={id(obj): obj for obj in shared})
     if batch > 1:
         duplicate.reorder_cache(torch.zeros(batch, dtype=torch.long))
     return duplicate

@@ -52,6 +52,11 @@ class Policy(nn.Module):
     RoPE of its original position) or ``"rolling"`` (keys held un-rotated and re-rotated to their rank
     among the retained tokens, as StreamingLLM does, so a bounded cache never shows the model a position
     past its trained context; ``compose/positions.py``). Rolling needs a RoPE model.
+    ``sliding_modules`` (optional) are the modules of the model's sliding-window layers, which then run
+    a policy of their own (``for_layer``) with every other setting shared: budget, allocation, drop,
+    storage. A sliding-window layer sees only its last ``window`` tokens, so what to keep there is a
+    question of its own (docs/benchmarks.md, "Tuning and held-out splits", measures it on Gemma 3);
+    on a model without such layers they are never used.
     """
 
     def __init__(
@@ -63,6 +68,7 @@ class Policy(nn.Module):
         gqa_reduce: str = "sum",
         storage: Component | None = None,
         positions: str = "absolute",
+        sliding_modules: list[nn.Module] | tuple[nn.Module, ...] | None = None,
     ):
         super().__init__()
         protections: list[Protection] = []
@@ -131,6 +137,27 @@ class Policy(nn.Module):
         self.positions = positions
         if isinstance(budget, int):
             self._check_fits(torch.tensor([budget]), where=f"budget={budget} tokens per head")
+        self.sliding = None if sliding_modules is None else self._sliding_policy(sliding_modules)
+
+    def _sliding_policy(self, modules: list[nn.Module] | tuple[nn.Module, ...]) -> Policy:
+        """The sliding-window layers' policy: ``modules`` under this policy's other settings."""
+        if not isinstance(modules, (list, tuple)):
+            raise TypeError(f"Policy(sliding_modules={modules!r}): expected a list of modules")
+        try:
+            return Policy(*modules, budget=self.budget, drop=self.drop, allocation=self.allocation,
+                          gqa_reduce=self.gqa_reduce, storage=self.storage, positions=self.positions)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"Policy(sliding_modules=...): {error}") from None
+
+    def for_layer(self, sliding: bool) -> Policy:
+        """The policy a layer runs: ``sliding_modules``' for a sliding-window layer when given, else this one."""
+        return self.sliding if sliding and self.sliding is not None else self
+
+    @property
+    def layer_policies(self) -> tuple[Policy, ...]:
+        """Every policy a layer may run (this one, and the sliding-window layers' when it has its own): what
+        the model as a whole needs is what any of them needs."""
+        return (self,) if self.sliding is None else (self, self.sliding)
 
     @staticmethod
     def _check_sketch(sketch: ClusterSketch | None, protections: list, selectors: list) -> None:
@@ -216,6 +243,7 @@ class Policy(nn.Module):
             and self.gqa_reduce == other.gqa_reduce
             and self.storage == other.storage
             and self.positions == other.positions
+            and self.sliding == other.sliding
         )
 
     __hash__ = nn.Module.__hash__

@@ -19,6 +19,8 @@ A recipe maps straight onto constructors (torchtune style): every component is a
       - _component_: HeavyHitterSelector
         accumulator:
           _component_: Cumulative
+    sliding_modules:       # optional: the sliding-window layers' own modules (Policy(sliding_modules=...))
+      - _component_: RecentWindow
 
 Loading validates the whole file and reports every problem at once, each with the file, the key path
 and what was expected. ``dump_recipe`` writes a policy that ``load_recipe`` reads back equal.
@@ -72,7 +74,7 @@ MOVED_ARGUMENTS = {
     ),
     ("ClusterSketch", "centres"): "k-center's centres belong to `_component_: KCenterSelector`",
 }
-POLICY_KEYS = ("budget", "modules", "drop", "allocation", "gqa_reduce", "storage", "positions")
+POLICY_KEYS = ("budget", "modules", "drop", "allocation", "gqa_reduce", "storage", "positions", "sliding_modules")
 
 
 class RecipeError(ValueError):
@@ -126,13 +128,11 @@ def policy_from_dict(data: Any, source: str = "<recipe>") -> Policy:
     problems = [
         f"{key}: unknown key; allowed: {', '.join(POLICY_KEYS)}" for key in data if key not in POLICY_KEYS
     ]
-    modules_node = data.get("modules", [])
-    if modules_node is None:
-        modules_node = []
-    if not isinstance(modules_node, list):
-        problems.append("modules: expected a list of components")
-        modules_node = []
-    modules = [_build(node, f"modules[{i}]", problems) for i, node in enumerate(modules_node)]
+    modules = _build_list(data.get("modules", []), "modules", problems)
+    sliding_modules = (
+        _build_list(data["sliding_modules"], "sliding_modules", problems) if data.get("sliding_modules") is not None
+        else None
+    )
     allocation = _build(data["allocation"], "allocation", problems) if data.get("allocation") is not None else None
     storage = _build(data["storage"], "storage", problems) if data.get("storage") is not None else None
     if problems:
@@ -146,9 +146,20 @@ def policy_from_dict(data: Any, source: str = "<recipe>") -> Policy:
             gqa_reduce=data.get("gqa_reduce", "sum"),
             storage=storage,
             positions=data.get("positions", "absolute"),
+            sliding_modules=sliding_modules,
         )
     except (TypeError, ValueError) as error:
         raise RecipeError(source, [f"policy: {error}"]) from None
+
+
+def _build_list(node: Any, key: str, problems: list[str]) -> list:
+    """The components of a list key (``modules``, ``sliding_modules``); a problem noted when it is no list."""
+    if node is None:
+        return []
+    if not isinstance(node, list):
+        problems.append(f"{key}: expected a list of components")
+        return []
+    return [_build(item, f"{key}[{i}]", problems) for i, item in enumerate(node)]
 
 
 def _component_dict(component: Component) -> dict[str, Any]:
@@ -168,6 +179,9 @@ def policy_to_dict(policy: Policy) -> dict[str, Any]:
         "storage": _component_dict(policy.storage),
         "positions": policy.positions,
         "modules": [_component_dict(m) for m in policy.modules_in_order],
+        # only when given, so a recipe without it dumps as before
+        **({} if policy.sliding is None else {
+            "sliding_modules": [_component_dict(m) for m in policy.sliding.modules_in_order]}),
     }
 
 

@@ -145,8 +145,9 @@ class EvictionCache(Cache):
     passes them).
 
     ``support`` (what ``model_support`` found in the model; ``run.new_cache()`` passes it) gives each
-    sliding-window layer its window and keeps the model's own cache layer where a layer holds recurrent
-    state (hybrid models) or nothing; without it, every layer is a full-attention eviction layer."""
+    sliding-window layer its window (and ``policy.for_layer``'s policy: its ``sliding_modules`` when it has
+    them) and keeps the model's own cache layer where a layer holds recurrent state (hybrid models) or
+    nothing; without it, every layer is a full-attention eviction layer."""
 
     def __init__(
         self, policy: Policy, num_layers: int, compile: bool = False,
@@ -166,14 +167,15 @@ class EvictionCache(Cache):
                 table = rotary.get(index) if isinstance(rotary, dict) else rotary
                 window = support.window(index) if support is not None else None
                 states = support.recurrent_states(index) if support is not None else None
+                layer_policy = policy.for_layer(sliding=window is not None)
                 if states is None:
                     layers.append(
-                        EvictionLayer(policy, index, num_layers, compile=compile, rotary=table, window=window,
+                        EvictionLayer(layer_policy, index, num_layers, compile=compile, rotary=table, window=window,
                                       sliding_layers=sliding)
                     )
                 else:
                     layers.append(EvictionHybridLayer(
-                        policy, index, num_layers, compile=compile, rotary=table, window=window,
+                        layer_policy, index, num_layers, compile=compile, rotary=table, window=window,
                         number_of_states=states, sliding_layers=sliding,
                     ))
         super().__init__(layers=layers)

@@ -57,16 +57,17 @@ class EvictionRun:
             scores = induction_scores(model, self.support)
             measured = {"_component_": "Induction", "floor": policy.allocation.floor, "scores": scores}
             self.policy = policy.replace(allocation=measured)
-        if self.policy.reads_mass and model.device.type == "cpu":
+        layer_policies = self.policy.layer_policies
+        if any(p.reads_mass for p in layer_policies) and model.device.type == "cpu":
             # the C++ prefill-with-mass kernel is built (once per machine, cached after) or loaded here, not
             # inside the first prefill someone times
             mass_cpu.extension()
-        if self.policy.decode_needs_mass and model.device.type == "cpu":
+        if any(p.decode_needs_mass for p in layer_policies) and model.device.type == "cpu":
             slots_cpu.extension()  # likewise the decode's matmuls over the slots (those steps read the mass)
         # a policy that ranks sentences: which token ids end one, and the current forward's marks [B, Q]
         self._sentence_table: torch.Tensor | None = None
         self.sentence_ends: torch.Tensor | None = None
-        if policy.reads_sentences:
+        if any(p.reads_sentences for p in layer_policies):
             if tokenizer is None:
                 raise ValueError(
                     "this policy ranks the text's sentences (HeavyHitterSelector(chunk='sentence')): pass the model's "
