@@ -1,7 +1,8 @@
 """The project's C++ CPU kernels, compiled on first use for the machine they run on.
 
-``torch.utils.cpp_extension.load`` builds a kernel's one source file (``-O3 -march=native``; it needs a C++
-compiler and ninja, as ``torch.compile`` on CPU does) in about a minute, once: torch caches the build in
+``torch.utils.cpp_extension.load`` builds a kernel's one source file (``-O3 -march=native``, with this
+folder on the include path for ``cpu_kernels.h``, what the kernels share; it needs a C++ compiler and ninja,
+as ``torch.compile`` on CPU does) in about a minute, once: torch caches the build in
 ``TORCH_EXTENSIONS_DIR`` and rebuilds only when the source changes. A kernel that cannot be built is
 reported once, with the reason and what runs instead, and its callers take their PyTorch path.
 """
@@ -29,7 +30,7 @@ def build(name: str, source: Path, what: str, instead: str):
             _LOG.info("compiling %s (once per machine; torch caches the build)", source.name)
             try:
                 _BUILT[name] = load(name=name, sources=[str(source)], extra_cflags=["-O3", "-march=native"],
-                                    verbose=False)
+                                    extra_include_paths=[str(Path(__file__).parent)], verbose=False)
             except Exception as error:  # noqa: BLE001 (a missing compiler or ninja shows up as several types)
                 warnings.warn(
                     f"evictlayers could not compile its {what} ({source}): {error}. {instead}; install a C++ "

@@ -19,20 +19,11 @@
 
 #include <algorithm>
 
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define EVICTLAYERS_AVX2 1
-#else
-#define EVICTLAYERS_AVX2 0
-#endif
+#include "cpu_kernels.h"
 
 namespace {
 
-// Where one (b, h) row's slot c starts in a [B, H, C, X] tensor, by its strides.
-struct Rows {
-  const int64_t* strides;
-  int64_t at(int64_t b, int64_t h, int64_t c) const { return b * strides[0] + h * strides[1] + c * strides[2]; }
-};
+using evictlayers::Rows;
 
 template <typename kv_t>
 void logits_scalar(const float* q, const kv_t* keys, Rows kr, float* out, int64_t b, int64_t h, int64_t C,
@@ -71,14 +62,7 @@ inline __m256 load8(const at::Half* x) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
 }
 
-// the horizontal sums of 8 vectors (8 floats each, consecutive), in order, in one vector
-inline __m256 sum8(const float* v) {
-  auto at = [v](int i) { return _mm256_loadu_ps(v + 8 * i); };
-  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(at(0), at(1)), _mm256_hadd_ps(at(2), at(3)));
-  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(at(4), at(5)), _mm256_hadd_ps(at(6), at(7)));
-  // ab holds each of sums 0-3 as two partial sums, one per 128-bit lane; cd likewise for sums 4-7
-  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
-}
+using evictlayers::sum8;
 
 constexpr int64_t QK_TILE = 8, QK_ROWS = 4;
 

@@ -19,20 +19,11 @@
 #include <algorithm>
 #include <vector>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define EVICTLAYERS_AVX2 1
-#else
-#define EVICTLAYERS_AVX2 0
-#endif
+#include "cpu_kernels.h"
 
 namespace {
 
-// Where one (b, h) row's slot c starts in a [B, H, C, X] tensor, by its strides.
-struct Rows {
-  const int64_t* strides;
-  int64_t at(int64_t b, int64_t h, int64_t c) const { return b * strides[0] + h * strides[1] + c * strides[2]; }
-};
+using evictlayers::Rows;
 
 // A slot's K scales and zero points, as float, group k's at s[k * stride] and z[k * stride].
 template <typename scale_t>
@@ -123,15 +114,7 @@ inline void unpack(const uint8_t* bytes, int64_t chunks, float* lo, float* hi) {
   }
 }
 
-// the horizontal sums of 8 vectors (8 floats each, consecutive), in order, in one vector (one hsum per
-// vector costs ~4x as much)
-inline __m256 sum8(const float* v) {
-  auto at = [v](int i) { return _mm256_loadu_ps(v + 8 * i); };
-  const __m256 ab = _mm256_hadd_ps(_mm256_hadd_ps(at(0), at(1)), _mm256_hadd_ps(at(2), at(3)));
-  const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(at(4), at(5)), _mm256_hadd_ps(at(6), at(7)));
-  // ab holds each of sums 0-3 as two partial sums, one per 128-bit lane; cd likewise for sums 4-7
-  return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
-}
+using evictlayers::sum8;
 
 template <typename scale_t>
 void logits_avx2(const float* q, const uint8_t* codes, Rows cr, const scale_t* scale, Rows sr, const scale_t* zero,
