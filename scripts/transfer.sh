@@ -10,7 +10,8 @@
 #   report      the REPORT recipes on both splits of both models at BUDGETS x LENGTHS
 #   perplexity  streamed perplexity at 20% on the tuning and the held-out books (the target's other half)
 #   layer-kinds the ByLayerKind candidates (a sliding-window layer's share of a full-attention layer's budget)
-#               on Gemma 3 270M's tuning books and tuning split, 20%: the only numbers its share is chosen by
+#               on Gemma 3 270M's tuning books and tuning split, 20%: the only numbers its share is chosen by;
+#               then which kind of layer costs the perplexity, and the sliding-window layers' own modules
 #   needles     per-head dumps of the needles the full cache and the shipped recipe hold after RULER's niah_*
 #               prompts (SmolLM2, 1k, 20%, both splits): which answers were evicted, which were held and missed
 #               (written to $OUT-needles/: render reads only $OUT/)
@@ -63,7 +64,17 @@ for step in $STEPS; do
             --model gemma-3-270m --task perplexity --budget 0.2 --split tuning --n-docs 2 --threads "$THREADS" \
             --no-progress --out "$OUT/gemma-3-270m-perplexity-tuning-by-kind"
         python -m evictlayers.cli eval "${kinds[@]}" --model gemma-3-270m --budget 0.2 --split tuning \
-            --lengths $SEARCH_LENGTHS "${common[@]}" --out "$OUT/gemma-3-270m-tuning-$SEARCH_LENGTHS-by-kind" ;;
+            --lengths $SEARCH_LENGTHS "${common[@]}" --out "$OUT/gemma-3-270m-tuning-$SEARCH_LENGTHS-by-kind"
+        # which layers' eviction costs the perplexity (budgets pinned per layer, each diagnostic's own), then
+        # H2O's modules in the sliding-window layers (sliding_modules), tuning books and split
+        python -m evictlayers.cli eval evictlayers/eval/candidates/gemma-3-270m/*.yaml --model gemma-3-270m \
+            --task perplexity --split tuning --n-docs 2 --threads "$THREADS" --no-progress \
+            --out "$OUT-diagnostics/gemma-3-270m-layer-kinds"
+        sliding=evictlayers/eval/candidates/tova_keydiff_chunk5_by_kind25_sliding_h2o.yaml
+        python -m evictlayers.cli eval $sliding --model gemma-3-270m --task perplexity --budget 0.2 --split tuning \
+            --n-docs 2 --threads "$THREADS" --no-progress --out "$OUT/gemma-3-270m-perplexity-tuning-sliding-h2o"
+        python -m evictlayers.cli eval $sliding --model gemma-3-270m --budget 0.2 --split tuning \
+            --lengths $SEARCH_LENGTHS "${common[@]}" --out "$OUT/gemma-3-270m-tuning-$SEARCH_LENGTHS-sliding-h2o" ;;
     perplexity)
         for model in $MODELS; do
             for split in tuning held_out; do
