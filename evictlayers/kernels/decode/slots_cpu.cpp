@@ -11,7 +11,7 @@
 // Loops (AVX2 + FMA): QK walks the slots in tiles of 8, each slot's key read once for up to 4 query rows, the
 // tile's 8 vectors of partial sums per row reduced to one vector over the tile by a tree of hadd. PV walks the
 // slots in tiles of 64 and, per block of up to 3 query rows and 32 output channels, keeps the 12 accumulators
-// in registers across the tile. Head dims that are not a multiple of 8, or a machine without AVX2 and FMA,
+// in registers across the tile. Head dims that are not a multiple of 8, or a machine without AVX2, FMA and F16C,
 // take the scalar loops, which compute the same sums.
 #include <torch/extension.h>
 #include <ATen/Dispatch_v2.h>

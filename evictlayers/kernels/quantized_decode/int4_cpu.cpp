@@ -12,7 +12,7 @@
 //
 // The AVX2 paths need run % 8 == 0 (groups of a multiple of 16 channels, 8 bytes per load), and the values'
 // a head dim of 64, 128 or 256 (its output vectors held in registers, a compile-time count); any other
-// shape, or a machine without AVX2 and FMA, takes the scalar loops, which compute the same sums.
+// shape, or a machine without AVX2, FMA and F16C, takes the scalar loops, which compute the same sums.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 

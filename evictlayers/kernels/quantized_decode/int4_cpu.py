@@ -32,7 +32,7 @@ How the loops are laid out (AVX2):
 
 The scale and zero point are read in their stored dtype (16-bit for the models' caches, any float type).
 The AVX2 paths need groups of a multiple of 16 channels (8 bytes per load), and PV a head dim of 64, 128 or
-256; other even groups and head dims, or a machine without AVX2 and FMA, run scalar C++ loops with the same
+256; other even groups and head dims, or a machine without AVX2, FMA and F16C, run scalar C++ loops with the same
 arithmetic.
 
 The extension is compiled on first use by ``kernels/cpu_extension.py`` (about a minute once, then cached by
