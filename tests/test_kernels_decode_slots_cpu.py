@@ -1,10 +1,10 @@
 """The C++ decode matmuls over dense slots (``kernels/decode/slots_cpu.cpp``) against float64 matmuls.
 
-Odd shapes: slot counts around the kernels' tiles (8 slots for the logits, 64 for the values), GQA groups
-1-9 (row blocks of 4 and 3 with remainders), head dims through the vector paths (multiples of 8 with and
-without a 32-channel remainder) and the scalar one (not a multiple of 8); float32, bfloat16 and float16
-slots. Slots are views into NaN-filled buffers (a wider row stride, slots past the end), so a read outside
-the view poisons the result; the probabilities are a strided view too."""
+Odd shapes: slot counts around the kernels' tiles (8 slots for the logits; 64 for float32 values of head dim
+64), GQA groups 1-9 (row blocks of 4 and 3 with remainders), head dims through the vector paths (multiples of
+8 with and without a 32-channel remainder) and the scalar one (not a multiple of 8); float32, bfloat16 and
+float16 slots. Slots are views into NaN-filled buffers (a wider row stride, slots past the end), so a read
+outside the view poisons the result; the probabilities are a strided view too."""
 
 import pytest
 import torch

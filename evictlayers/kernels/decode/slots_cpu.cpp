@@ -1,5 +1,5 @@
 // Decode attention's two matmuls over dense KV slots on CPU, for the query rows of a GQA group at once
-// (slots_cpu.py documents the ops and holds their PyTorch references):
+// (slots_cpu.py documents the ops; naive.py's matmul_logits and matmul_values compute the same with torch.matmul):
 //
 //   slot_logits(query [B,H,G,D] f32, keys [B,H,C,D])      -> [B,H,G,C] f32   logit[g,c] = q[g] . k[c]
 //   slot_values(probs [B,H,G,C] f32, values [B,H,C,Dv])   -> [B,H,G,Dv] f32  out[g] = sum_c p[g,c] v[c]
@@ -10,9 +10,9 @@
 //
 // Loops (AVX2 + FMA): QK walks the slots in tiles of 8, each slot's key read once for up to 4 query rows, the
 // tile's 8 vectors of partial sums per row reduced to one vector over the tile by a tree of hadd. PV walks the
-// slots in tiles of 64 and, per block of up to 3 query rows and 32 output channels, keeps the 12 accumulators
-// in registers across the tile. Head dims that are not a multiple of 8, or a machine without AVX2, FMA and F16C,
-// take the scalar loops, which compute the same sums.
+// slots in tiles of about 16 KB and, per block of up to 3 query rows and 32 output channels, keeps the 12
+// accumulators in registers across the tile. Head dims that are not a multiple of 8, or a machine without AVX2,
+// FMA and F16C, take the scalar loops, which compute the same sums.
 #include <torch/extension.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>

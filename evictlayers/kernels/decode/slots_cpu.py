@@ -1,5 +1,7 @@
 """Decode attention's two matmuls over dense KV slots on CPU: ``evictlayers::slot_logits`` and
-``evictlayers::slot_values``, C++ kernels (``slots_cpu.cpp``) with their PyTorch references beside them.
+``evictlayers::slot_values``, C++ kernels (``slots_cpu.cpp``). Their PyTorch counterparts are ``naive.py``'s
+``matmul_logits`` and ``matmul_values`` (the same products through ``torch.matmul``, in the cache dtype),
+which serve wherever these cannot.
 
 - ``slot_logits(query [B, H, G, D] f32, keys [B, H, C, D]) -> [B, H, G, C]`` f32: ``query @ keys^T``;
 - ``slot_values(probs [B, H, G, C] f32, values [B, H, C, Dv]) -> [B, H, G, Dv]`` f32: ``probs @ values``.
@@ -9,13 +11,11 @@ the products accumulate in float32.
 
 Why a kernel. A decode step's attention is ``G`` query rows (a GQA group) against ``C`` slots per KV head:
 ``torch.matmul`` hands that to BLAS as ``B * H`` matrix products of ``G`` rows, a shape BLAS runs far below
-its rate. Measured with SmolLM2's shapes (3 query rows per KV head, head dim 64, 1,639 slots, batch 8, one
-thread, 30 layers' worth of separate buffers, so every read comes from memory): ``bmm`` took 1.5 ms for the
-logits and 1.6 ms for ``probs @ values``; these loops take 0.9 and 0.8 ms, against 0.7 ms to read the keys
-once. The loops (AVX2 + FMA) read each slot once for up to 4 query rows (logits; tiles of 8 slots reduced
-to one vector per row by a tree of ``hadd``) or keep the output in registers across a tile of 64 slots
-(values). Other head dims (not a multiple of 8) and machines without AVX2 run scalar loops with the same
-arithmetic.
+its rate. These loops (AVX2 + FMA) read each slot once for up to 4 query rows (logits; tiles of 8 slots
+reduced to one vector per row by a tree of ``hadd``) or keep the output in registers across a tile of about
+16 KB of slots (values). With them compiled H2O decodes 1.18x as fast at 8k-token prompts, batch 8
+(docs/benchmarks.md, "The decode's matmuls over the slots", has the command). Other head dims (not a
+multiple of 8) and machines without AVX2, FMA and F16C run scalar loops with the same arithmetic.
 
 The C++ file registers itself as the ops' CPU kernels, so a call, eager or from the compiled decode step
 (the ops are opaque there, with the shapes of ``register_fake`` below), goes from the dispatcher straight to
@@ -77,12 +77,3 @@ def serves(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         and available()
     )
 
-
-def slot_logits_reference(query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """The PyTorch reference of ``slot_logits``: ``query @ keys^T`` in float32."""
-    return torch.matmul(query.float(), keys.float().transpose(-1, -2))
-
-
-def slot_values_reference(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """The PyTorch reference of ``slot_values``: ``probs @ values`` in float32."""
-    return torch.matmul(probs.float(), values.float())
