@@ -127,6 +127,17 @@ def test_memory_matches_the_formula_for_bounded_caches(quick_run):
             assert r["info"]["kv_bytes"] >= r["info"]["formula_bytes"]
 
 
+def test_cpu_kernel_counts_the_bytes_each_configuration_reads(quick_run):
+    """float32 keys and values for the dense rows; 4-bit codes plus a bfloat16 scale and zero point per 32
+    channels for int4 (3 KV heads, head dim 64)."""
+    rows = quick_run[1]["benchmarks"]["cpu_kernel"]["rows"]
+    assert {r["config"] for r in rows} == {"read", "matmul", "slot-ops", "int4-ops"}
+    for r in rows:
+        slots_read = r["params"]["batch"] * 3 * r["params"]["slots"]
+        per_slot = (64 // 2 + 2 * (64 // 32) * 2) if r["config"] == "int4-ops" else 64 * 4
+        assert r["info"]["bytes_read"] == 2 * slots_read * per_slot
+
+
 def test_quick_runs_write_nothing_without_out(tmp_path, monkeypatch):
     from benchmarks import common, suite
 
@@ -154,7 +165,7 @@ def test_default_model_keeps_the_machine_file_name_and_records_the_model(quick_r
     assert returned["model"] == "default" and "-" not in returned["machine"].removeprefix("cpu-")
     for name in ("memory", "decode", "prefill"):
         assert returned["benchmarks"][name]["model"] == "tiny-random-llama"
-    for name in ("overhead", "kernel"):  # random tensors of SmolLM2's shapes: no model to name
+    for name in ("overhead", "cpu_kernel", "kernel"):  # random tensors of SmolLM2's shapes: no model to name
         assert "model" not in returned["benchmarks"][name]
     assert "on tiny-random-llama" in (out / f"{returned['machine']}.md").read_text()
 

@@ -1,6 +1,6 @@
 """The int4 CPU ops (``quantized_decode/int4_cpu.py``, C++ in ``int4_cpu.cpp``): their PyTorch references
 against the layout's definition (``kernel_inputs.dequantized``), the compiled ops against the references on
-odd shapes (slot counts that fill no tile of 8, strided slices of a larger cache, 1-4 query rows per KV
+odd shapes (slot counts that fill no tile of 8, strided slices of a larger cache, 1-7 query rows per KV
 head, groups that take the AVX2 path and groups that take the scalar loops, every scale dtype) with their
 outputs poisoned with NaN, their gradients, and what happens when the extension cannot be built. The
 quantised decode op that calls them is checked in test_kernels_quantized.py."""
@@ -12,7 +12,7 @@ import torch
 
 from evictlayers.kernels import cpu_extension
 from evictlayers.kernels.quantization import PackedKV, quantize_groups
-from evictlayers.kernels.quantized_decode import int4_cpu
+from evictlayers.kernels.quantized_decode import int4_cpu, naive
 from kernel_inputs import dequantized, poisoned_empty
 from tiny_models import single_thread  # noqa: F401 (autouse fixture)
 
@@ -57,7 +57,9 @@ CASES = [
     (100, 64, 16, 4, torch.float32),
     (37, 256, 32, 2, torch.bfloat16),  # Gemma 3's head dim
     (45, 128, 64, 3, torch.bfloat16),
-    (23, 48, 16, 3, torch.float16),  # AVX2 logits, scalar values (a head dim other than 64, 128, 256)
+    (23, 48, 16, 3, torch.float16),  # a head dim whose channels are not a multiple of 32
+    (19, 64, 32, 7, torch.bfloat16),  # 7 query rows: blocks of 4 + 3 rows (QK), 3 + 3 + 1 (PV)
+    (70, 128, 16, 5, torch.float32),  # PV tiles of 32 slots (16 KB): two whole, one of 6
     (17, 64, 8, 3, torch.bfloat16),  # groups under 16 channels: the scalar loops
     (30, 24, 6, 2, torch.float32),
     (11, 32, 2, 1, torch.float16),
@@ -101,36 +103,48 @@ def test_gradients_match_the_references():
 
 def test_the_compiled_ops_check_their_inputs():
     codes, scale, zero = codes_of((2, 3, 5, 64), 32, torch.bfloat16, 5)
-    module = int4_cpu.extension()
-    query, out = torch.randn(2, 3, 3, 64), torch.empty(2, 3, 3, 5)
+    query = torch.randn(2, 3, 3, 64)
     with pytest.raises(RuntimeError, match="codes must be \\[B, H, C, P\\] uint8 with contiguous bytes"):
-        module.int4_logits(query, codes.transpose(-1, -2).contiguous().transpose(-1, -2), scale, zero, out)
-    with pytest.raises(RuntimeError, match="query must have 2P channels"):
-        module.int4_logits(query[..., :32], codes, scale, zero, out)
-    with pytest.raises(RuntimeError, match="out must be a contiguous float32 CPU tensor of shape"):
-        module.int4_logits(query, codes, scale, zero, out[..., :4])
+        int4_cpu.int4_logits(query, codes.transpose(-1, -2).contiguous().transpose(-1, -2), scale, zero)
+    with pytest.raises(RuntimeError, match="query .* must have 2P channels"):
+        int4_cpu.int4_logits(query[..., :32], codes, scale, zero)
+    with pytest.raises(RuntimeError, match="query must be \\[B, H, G, X\\] float32, got .* BFloat16"):
+        int4_cpu.int4_logits(query.bfloat16(), codes, scale, zero)
     with pytest.raises(RuntimeError, match="K dividing P"):
-        module.int4_values(torch.rand(2, 3, 3, 5), codes, scale[..., :1].expand(2, 3, 5, 3), zero[..., :1].expand(
-            2, 3, 5, 3), torch.empty(2, 3, 3, 64))
+        int4_cpu.int4_values(torch.rand(2, 3, 3, 5), codes, scale[..., :1].expand(2, 3, 5, 3),
+                             zero[..., :1].expand(2, 3, 5, 3))
+    with pytest.raises(RuntimeError, match="probs .* must have one column per code slot"):
+        int4_cpu.int4_values(torch.rand(2, 3, 3, 6), codes, scale, zero)
 
 
-def test_without_the_extension_the_ops_warn_once_and_run_the_references(monkeypatch):
-    """A machine that cannot compile it (no compiler, no ninja) still decodes, told why and how to fix it."""
+def test_without_the_extension_the_decode_warns_once_and_dequantises_blocks(monkeypatch):
+    """A machine that cannot compile it (no compiler, no ninja) still decodes int4 caches, told why and how to
+    fix it: the quantised decode takes its blocks (dequantise a block of slots, then ``torch.matmul``)."""
     import torch.utils.cpp_extension
+    from evictlayers.kernels.quantized_decode import cpu as quantized_cpu
 
     def no_compiler(*args, **kwargs):
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
     monkeypatch.setattr(cpu_extension, "_BUILT", {})
+    calls = []
+    monkeypatch.setattr(quantized_cpu, "int4_logits", lambda *args: calls.append(1))
     codes, scale, zero = codes_of((2, 3, 10, 64), 32, torch.bfloat16, 6)
-    query = torch.randn(2, 3, 3, 64)
+    packed = PackedKV(codes, scale, zero, torch.ones(2, 3, 1, 64), codes, scale, zero, 4, 32)
+    g = torch.Generator().manual_seed(7)
+    query, residual = torch.randn(2, 9, 64, generator=g), torch.randn(2, 3, 2, 64, generator=g)
+    key_pos = torch.arange(10).expand(2, 3, 10)
+    args = (query, packed, residual, residual, torch.full((2,), 12), key_pos, torch.tensor([10, 11]).expand(2, 3, 2))
     with pytest.warns(RuntimeWarning, match="could not compile its int4 CPU kernel .*Ninja is required.*install a C"):
-        got = int4_cpu.int4_logits(query, codes, scale, zero)
+        got = quantized_cpu.quantized_decode_attention_with_mass_cpu(*args, scaling=0.125)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once: the failed build is remembered
-        int4_cpu.int4_logits(query, codes, scale, zero)
-    torch.testing.assert_close(got, int4_cpu.int4_logits_reference(query, codes, scale, zero))
+        quantized_cpu.quantized_decode_attention_with_mass_cpu(*args, scaling=0.125)
+    assert calls == []
+    expected = naive.quantized_decode_attention_with_mass(*args, scaling=0.125)
+    torch.testing.assert_close(got.out, expected.out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.mass, expected.mass, rtol=1e-4, atol=1e-5)
 
 
 def test_rows_split_over_threads_give_the_same_result():

@@ -1,7 +1,13 @@
 // What the C++ CPU kernels share (decode/slots_cpu.cpp, quantized_decode/int4_cpu.cpp): addressing a slot row by
-// strides, and on AVX2 machines the tree of hadd that reduces 8 vectors of partial sums to one vector.
+// strides and, on AVX2 machines, how the decode's QK reduces and stores a tile of logits and the PV loops over a
+// tile of float slots (slots_cpu.cpp runs them on the cache's own rows, int4_cpu.cpp on rows it has just
+// dequantised into L1).
 #pragma once
 
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
 #include <cstdint>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
@@ -28,6 +34,81 @@ inline __m256 sum8(const float* v) {
   const __m256 cd = _mm256_hadd_ps(_mm256_hadd_ps(at(4), at(5)), _mm256_hadd_ps(at(6), at(7)));
   // ab holds each of sums 0-3 as two partial sums, one per 128-bit lane; cd likewise for sums 4-7
   return _mm256_add_ps(_mm256_permute2f128_ps(ab, cd, 0x20), _mm256_permute2f128_ps(ab, cd, 0x31));
+}
+
+// 8 consecutive elements as 8 floats
+inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
+inline __m256 load8(const c10::BFloat16* x) {  // a bfloat16 is the high half of a float32
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+inline __m256 load8(const c10::Half* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
+
+// QK: the slots go in tiles of QK_TILE, each slot read once for up to QK_ROWS query rows, its dot product with
+// a row kept as a vector of 8 partial sums in partial[r][t] (QK_ROWS * QK_TILE * 8 floats). logits_store reduces
+// the tile's vectors of rows g0 .. g0 + R to one vector per row by sum8 and writes its n <= QK_TILE columns c0 ..
+// c0 + n of out [G, C] (lanes past n sum partials of slots that do not exist: never stored).
+constexpr int64_t QK_TILE = 8, QK_ROWS = 4;
+
+template <int64_t R>
+void logits_store(const float* partial, int64_t n, int64_t g0, float* out, int64_t C, int64_t c0) {
+  for (int64_t r = 0; r < R; ++r) {
+    const __m256 logits = sum8(partial + r * QK_TILE * 8);
+    float* dest = out + (g0 + r) * C + c0;
+    if (n == QK_TILE) {
+      _mm256_storeu_ps(dest, logits);
+    } else {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, logits);
+      std::copy(lanes, lanes + n, dest);
+    }
+  }
+}
+
+// PV over one tile of n slots (slot[t] points at slot c0 + t's Dv channels, Dv % 8 == 0): acc [G, Dv] f32 +=
+// sum_t probs[g, c0 + t] * slot[t], probs addressed by strides ps (its dims 2 and 3). Per block of up to
+// PV_ROWS rows and 8 * PV_VECTORS channels the accumulators stay in registers across the tile, so they are
+// loaded and stored once per tile rather than once per slot.
+constexpr int64_t PV_ROWS = 3, PV_VECTORS = 4;
+
+template <int64_t R, int64_t V, typename kv_t>
+void values_block(const float* probs, const int64_t* ps, const kv_t* const* slot, float* acc, int64_t c0, int64_t n,
+                  int64_t Dv, int64_t g0, int64_t d0) {
+  __m256 a[R][V];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < V; ++j) a[r][j] = _mm256_loadu_ps(acc + (g0 + r) * Dv + d0 + 8 * j);
+  for (int64_t t = 0; t < n; ++t) {
+    const kv_t* v = slot[t] + d0;
+    __m256 w[R];
+    for (int64_t r = 0; r < R; ++r) w[r] = _mm256_set1_ps(probs[(g0 + r) * ps[2] + (c0 + t) * ps[3]]);
+    for (int64_t j = 0; j < V; ++j) {
+      const __m256 x = load8(v + 8 * j);
+      for (int64_t r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(w[r], x, a[r][j]);
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < V; ++j) _mm256_storeu_ps(acc + (g0 + r) * Dv + d0 + 8 * j, a[r][j]);
+}
+
+template <int64_t R, typename kv_t>
+void values_rows(const float* probs, const int64_t* ps, const kv_t* const* slot, float* acc, int64_t c0, int64_t n,
+                 int64_t Dv, int64_t g0) {
+  int64_t d0 = 0;
+  for (; d0 + 8 * PV_VECTORS <= Dv; d0 += 8 * PV_VECTORS)
+    values_block<R, PV_VECTORS>(probs, ps, slot, acc, c0, n, Dv, g0, d0);
+  for (; d0 < Dv; d0 += 8) values_block<R, 1>(probs, ps, slot, acc, c0, n, Dv, g0, d0);
+}
+
+template <typename kv_t>
+void values_tile(const float* probs, const int64_t* ps, const kv_t* const* slot, float* acc, int64_t c0, int64_t n,
+                 int64_t Dv, int64_t G) {
+  for (int64_t g0 = 0; g0 < G; g0 += PV_ROWS) {
+    switch (std::min(PV_ROWS, G - g0)) {
+      case 3: values_rows<3>(probs, ps, slot, acc, c0, n, Dv, g0); break;
+      case 2: values_rows<2>(probs, ps, slot, acc, c0, n, Dv, g0); break;
+      default: values_rows<1>(probs, ps, slot, acc, c0, n, Dv, g0); break;
+    }
+  }
 }
 #endif
 

@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "cpu_kernels.h"
 
@@ -52,19 +53,9 @@ void values_scalar(const float* probs, const int64_t* ps, const kv_t* values, Ro
 }
 
 #if EVICTLAYERS_AVX2
-// 8 consecutive elements as 8 floats
-inline __m256 load8(const float* x) { return _mm256_loadu_ps(x); }
-inline __m256 load8(const at::BFloat16* x) {  // a bfloat16 is the high half of a float32
-  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
-}
-inline __m256 load8(const at::Half* x) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
-}
-
-using evictlayers::sum8;
-
-constexpr int64_t QK_TILE = 8, QK_ROWS = 4;
+using evictlayers::load8;
+using evictlayers::QK_ROWS;
+using evictlayers::QK_TILE;
 
 // rows g0 .. g0 + R of one tile of n <= 8 slots: partial sums per (row, slot), then one vector per row
 template <int64_t R, typename kv_t>
@@ -80,17 +71,7 @@ void logits_tile(const float* q, const kv_t* const* slot, int64_t n, int64_t D, 
       }
     for (int64_t r = 0; r < R; ++r) _mm256_storeu_ps(partial + (r * QK_TILE + t) * 8, acc[r]);
   }
-  for (int64_t r = 0; r < R; ++r) {
-    const __m256 logits = sum8(partial + r * QK_TILE * 8);
-    float* dest = out + (g0 + r) * C + c0;
-    if (n == QK_TILE) {
-      _mm256_storeu_ps(dest, logits);
-    } else {
-      alignas(32) float lanes[8];
-      _mm256_store_ps(lanes, logits);
-      std::copy(lanes, lanes + n, dest);
-    }
-  }
+  evictlayers::logits_store<R>(partial, n, g0, out, C, c0);
 }
 
 template <typename kv_t>
@@ -113,37 +94,7 @@ void logits_avx2(const float* q, const kv_t* keys, Rows kr, float* out, int64_t 
   }
 }
 
-constexpr int64_t PV_TILE_BYTES = 16384, PV_ROWS = 3, PV_VECTORS = 4;
-
-// rows g0 .. g0 + R, channels d0 .. d0 + 8 * V, slots c0 .. c0 + n: the R x V accumulators stay in registers
-template <int64_t R, int64_t V, typename kv_t>
-void values_block(const float* probs, const int64_t* ps, const kv_t* values, Rows vr, float* acc, int64_t b,
-                  int64_t h, int64_t c0, int64_t n, int64_t Dv, int64_t g0, int64_t d0) {
-  __m256 a[R][V];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < V; ++j) a[r][j] = _mm256_loadu_ps(acc + (g0 + r) * Dv + d0 + 8 * j);
-  for (int64_t t = 0; t < n; ++t) {
-    const int64_t c = c0 + t;
-    const kv_t* v = values + vr.at(b, h, c) + d0;
-    __m256 w[R];
-    for (int64_t r = 0; r < R; ++r) w[r] = _mm256_set1_ps(probs[(g0 + r) * ps[2] + c * ps[3]]);
-    for (int64_t j = 0; j < V; ++j) {
-      const __m256 x = load8(v + 8 * j);
-      for (int64_t r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(w[r], x, a[r][j]);
-    }
-  }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < V; ++j) _mm256_storeu_ps(acc + (g0 + r) * Dv + d0 + 8 * j, a[r][j]);
-}
-
-template <int64_t R, typename kv_t>
-void values_rows(const float* probs, const int64_t* ps, const kv_t* values, Rows vr, float* acc, int64_t b, int64_t h,
-                 int64_t c0, int64_t n, int64_t Dv, int64_t g0) {
-  int64_t d0 = 0;
-  for (; d0 + 8 * PV_VECTORS <= Dv; d0 += 8 * PV_VECTORS)
-    values_block<R, PV_VECTORS>(probs, ps, values, vr, acc, b, h, c0, n, Dv, g0, d0);
-  for (; d0 < Dv; d0 += 8) values_block<R, 1>(probs, ps, values, vr, acc, b, h, c0, n, Dv, g0, d0);
-}
+constexpr int64_t PV_TILE_BYTES = 16384;
 
 template <typename kv_t>
 void values_avx2(const float* probs, const int64_t* ps, const kv_t* values, Rows vr, float* out, int64_t b, int64_t h,
@@ -151,15 +102,11 @@ void values_avx2(const float* probs, const int64_t* ps, const kv_t* values, Rows
   // The output is the accumulator: each block loads its vectors once per tile of slots, not once per slot.
   std::fill(out, out + G * Dv, 0.f);
   const int64_t tile = std::max<int64_t>(8, PV_TILE_BYTES / (Dv * static_cast<int64_t>(sizeof(kv_t))));
+  std::vector<const kv_t*> slot(tile);
   for (int64_t c0 = 0; c0 < C; c0 += tile) {
     const int64_t n = std::min(tile, C - c0);
-    for (int64_t g0 = 0; g0 < G; g0 += PV_ROWS) {
-      switch (std::min(PV_ROWS, G - g0)) {
-        case 3: values_rows<3>(probs, ps, values, vr, out, b, h, c0, n, Dv, g0); break;
-        case 2: values_rows<2>(probs, ps, values, vr, out, b, h, c0, n, Dv, g0); break;
-        default: values_rows<1>(probs, ps, values, vr, out, b, h, c0, n, Dv, g0); break;
-      }
-    }
+    for (int64_t t = 0; t < n; ++t) slot[t] = values + vr.at(b, h, c0 + t);
+    evictlayers::values_tile(probs, ps, slot.data(), out, c0, n, Dv, G);
   }
 }
 #endif

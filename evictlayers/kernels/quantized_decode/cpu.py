@@ -5,16 +5,11 @@ Same signature and result as ``naive.py``, which dequantises the whole cache int
 attending. Here:
 
 - int4 codes whose groups hold whole bytes (an even ``group``, every shipped recipe) go to ``int4_cpu.py``'s
-  C++ ops, which dequantise 8 codes at a time in registers inside the QK and PV loops: no buffer of
-  dequantised slots at all. Compiled ``h2o_int4`` against compiled dense ``h2o`` (``python -m benchmarks
-  --only decode --prompts 4096 8192 --configs hf-sdpa el-h2o-compiled el-h2o-int4-compiled --threads 1``,
-  rows timed one after another on a host running another job): 0.89x / 1.25x the tokens/s at 4k-token
-  prompts, batch 1 / 8, and 1.21x / 0.96x at 8k; the blocks made it 0.70-0.80x. Timed in one process,
-  blocks of 3 steps alternating with the blocks' code and with dense ``h2o`` (6 rounds), the ops made the
-  compiled int4 step 1.13x as fast as the blocks at 8k, batch 8 (1.02x dense, the blocks 0.90x), 1.09x at
-  4k, batch 8 (1.00x dense), and eager 1.29x at 4k, batch 8 (0.85x dense, the blocks 0.66x).
-- int8 codes, and int4 with an odd group (a byte's two codes in different groups), are cut into
-  ``SLOT_BLOCKS`` blocks: the QK loop dequantises one block into a small buffer and multiplies it by the
+  C++ ops, which dequantise the codes in registers (QK) or a tile of ~16 KB of slots at a time in L1 (PV):
+  no buffer of dequantised slots beyond that tile. The dense residual goes through the dense slot ops
+  (``decode/slots_cpu.py``). ``docs/benchmarks.md`` ("int4") has the decode against dense H2O.
+- int8 codes, int4 with an odd group (a byte's two codes in different groups), and int4 where the ops could
+  not be compiled, are cut into ``SLOT_BLOCKS`` blocks: the QK loop dequantises one block into a small buffer and multiplies it by the
   query before the next block is unpacked (likewise the PV loop with the values), so a block's buffer,
   ``1 / SLOT_BLOCKS`` of a dense copy, stays in the CPU caches where the whole copy went through memory.
 
@@ -87,9 +82,10 @@ import threading
 import torch
 
 from evictlayers.kernels.common import DecodeAttention, check_packed_inputs, no_mass, reduce_group
+from evictlayers.kernels.decode import slots_cpu
 from evictlayers.kernels.decode.naive import slot_softmax
 from evictlayers.kernels.quantization import PackedKV
-from evictlayers.kernels.quantized_decode.int4_cpu import int4_logits, int4_values, serves
+from evictlayers.kernels.quantized_decode.int4_cpu import available, int4_logits, int4_values, serves
 
 SLOT_BLOCKS = 4  # compiled: blocks the code slots are unpacked in (each block's buffer is 1/4 of a dense copy)
 EAGER_BLOCK_BYTES = 2 << 20  # eager: the most float32 bytes one block's keys or values take (2 MiB)...
@@ -138,7 +134,7 @@ def quantized_decode_attention_with_mass_cpu(
     grouped = query.view(batch, kv_heads, groups, head_dim).float()
     # the query in the codes' channel order, times the keys' channel scale ([B, H_kv, G, D])
     permuted = _codes_order(grouped * packed.key_channel_scale, halves)
-    in_registers = serves(packed.bits, packed.group)  # int4_cpu.py's ops; otherwise blocks
+    in_registers = serves(packed.bits, packed.group) and available()  # int4_cpu.py's ops; otherwise blocks
     if in_registers:
         blocks = []
         logits = [int4_logits(permuted, packed.key_codes, packed.key_scale, packed.key_zero)]
@@ -153,7 +149,11 @@ def quantized_decode_attention_with_mass_cpu(
                          .transpose(-1, -2))
             for block in blocks
         ]
-    logits.append(torch.matmul(grouped, residual_keys.float().transpose(-1, -2)))
+    # the dense residual through the dense slot ops (decode/slots_cpu.py) when they are built: a batched matmul of
+    # G rows per KV head costs BLAS more in overhead than the ops take
+    residual_ops = slots_cpu.serves(grouped, residual_keys, residual_values)
+    logits.append(slots_cpu.slot_logits(grouped, residual_keys) if residual_ops
+                  else torch.matmul(grouped, residual_keys.float().transpose(-1, -2)))
     probs, lse, scores = slot_softmax(
         torch.cat(logits, -1) * scaling, query_pos, torch.cat([key_pos, residual_pos], 2),
         softcap=softcap, sliding_window=sliding_window, score_gain=score_gain, need_mass=need_mass,
@@ -167,7 +167,9 @@ def quantized_decode_attention_with_mass_cpu(
                                                       block, packed))
             for block in blocks
         )
-    out = _channel_order(out, halves) + torch.matmul(probs[..., n_codes:], residual_values.float())
+    ring = probs[..., n_codes:]
+    out = _channel_order(out, halves) + (slots_cpu.slot_values(ring, residual_values) if residual_ops
+                                         else torch.matmul(ring, residual_values.float()))
     mass = (
         reduce_group(scores, gqa_reduce) if need_mass
         else no_mass(batch, kv_heads, n_codes + residual_pos.shape[-1], query.device)

@@ -1,19 +1,25 @@
-// Decode attention's two matmuls straight from int4 codes on CPU: the codes are dequantised in registers,
-// never into a block buffer (int4_cpu.py documents the ops, their layout and the PyTorch reference).
+// Decode attention's two matmuls straight from int4 codes on CPU (int4_cpu.py documents the ops, their layout and
+// the PyTorch references). No dequantised copy of the cache is made: a tile of slots at a time is dequantised into
+// a few KB that stay in L1, and the dense kernels' tile loops (cpu_kernels.h) multiply it before the next tile.
 //
 // Layout (PackedKV): a slot's P bytes hold 2P codes, channel 2p in byte p's low nibble and 2p+1 in its high
 // one; group k of the slot's channels has one scale and zero point, so byte p (both nibbles) is in group
 // p / run with run = P / K. Both ops work in the codes' channel order: the P low nibbles, then the P high.
 //
-//   int4_logits(query [B,H,G,2P] f32, codes [B,H,C,P] u8, scale/zero [B,H,C,K], out [B,H,G,C] f32)
-//     logit[g,c] = sum_k scale[c,k] * (q[g] . codes[c] over group k) + zero[c,k] * sum(q[g] over group k)
-//   int4_values(probs [B,H,G,C] f32, codes, scale, zero, out [B,H,G,2P] f32)
+//   int4_logits(query [B,H,G,2P] f32, codes [B,H,C,P] u8, scale/zero [B,H,C,K])  -> [B,H,G,C] f32
+//     logit[g,c] = q[g] . (codes[c] * scale[c] + zero[c])
+//   int4_values(probs [B,H,G,C] f32, codes, scale, zero)                          -> [B,H,G,2P] f32
 //     out[g] = sum_c probs[g,c] * (codes[c] * scale[c] + zero[c])
 //
-// The AVX2 paths need run % 8 == 0 (groups of a multiple of 16 channels, 8 bytes per load), and the values'
-// a head dim of 64, 128 or 256 (its output vectors held in registers, a compile-time count); any other
-// shape, or a machine without AVX2, FMA and F16C, takes the scalar loops, which compute the same sums.
+// The ops register themselves as the CPU kernels of evictlayers::int4_logits and evictlayers::int4_values
+// (schemas defined in int4_cpu.py), so a call goes from the dispatcher straight here.
+//
+// The AVX2 path needs run % 8 == 0 (groups of a multiple of 16 channels): 8 bytes are widened to 32-bit lanes
+// in one instruction, split into their two nibbles there (a mask, a shift), converted and scaled by one FMA. Any
+// other even group, or a machine without AVX2, FMA and F16C, dequantises with scalar loops and multiplies them
+// the same way.
 #include <torch/extension.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
@@ -25,197 +31,162 @@ namespace {
 
 using evictlayers::Rows;
 
-// A slot's K scales and zero points, as float, group k's at s[k * stride] and z[k * stride].
+// One (b, h) row of the cache's codes, scales and zero points, addressed by their strides.
 template <typename scale_t>
-inline void load_scales(const scale_t* scale, const scale_t* zero, int64_t step_s, int64_t step_z, int64_t K,
-                        float* s, float* z, int64_t stride = 1) {
-  for (int64_t k = 0; k < K; ++k) {
-    s[k * stride] = static_cast<float>(scale[k * step_s]);
-    z[k * stride] = static_cast<float>(zero[k * step_z]);
+struct Codes {
+  const uint8_t* codes;
+  Rows cr;
+  const scale_t* scale;
+  Rows sr;
+  const scale_t* zero;
+  Rows zr;
+  int64_t b, h, P, K;
+};
+
+// slot c's 2P dequantised values, in codes order, into row (scalar: any group that holds whole bytes)
+template <typename scale_t>
+void dequantize_scalar(const Codes<scale_t>& x, int64_t c, float* row) {
+  const uint8_t* bytes = x.codes + x.cr.at(x.b, x.h, c);
+  const scale_t* scale = x.scale + x.sr.at(x.b, x.h, c);
+  const scale_t* zero = x.zero + x.zr.at(x.b, x.h, c);
+  const int64_t run = x.P / x.K;
+  for (int64_t p = 0; p < x.P; ++p) {
+    const float s = static_cast<float>(scale[(p / run) * x.sr.strides[3]]);
+    const float z = static_cast<float>(zero[(p / run) * x.zr.strides[3]]);
+    row[p] = static_cast<float>(bytes[p] & 15) * s + z;
+    row[x.P + p] = static_cast<float>(bytes[p] >> 4) * s + z;
   }
 }
 
-// sum over group k of the query's codes-order channels: the zero point's factor
-void query_sums(const float* q, int64_t G, int64_t P, int64_t K, float* sums) {
-  const int64_t run = P / K;
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t k = 0; k < K; ++k) {
-      float total = 0;
-      for (int64_t p = k * run; p < (k + 1) * run; ++p) total += q[g * 2 * P + p] + q[g * 2 * P + P + p];
-      sums[g * K + k] = total;
-    }
-}
-
 template <typename scale_t>
-void logits_scalar(const float* q, const uint8_t* codes, Rows cr, const scale_t* scale, Rows sr, const scale_t* zero,
-                   Rows zr, float* out, int64_t b, int64_t h, int64_t C, int64_t P, int64_t G, int64_t K) {
-  const int64_t run = P / K;
-  std::vector<float> qsum(G * K), s(K), z(K);
-  query_sums(q, G, P, K, qsum.data());
+void logits_scalar(const float* q, const Codes<scale_t>& x, float* out, int64_t C, int64_t G) {
+  std::vector<float> row(2 * x.P);
   for (int64_t c = 0; c < C; ++c) {
-    const uint8_t* bytes = codes + cr.at(b, h, c);
-    load_scales(scale + sr.at(b, h, c), zero + zr.at(b, h, c), sr.strides[3], zr.strides[3], K, s.data(), z.data());
+    dequantize_scalar(x, c, row.data());
     for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * 2 * P;
       float total = 0;
-      for (int64_t k = 0; k < K; ++k) {
-        float dot = 0;
-        for (int64_t p = k * run; p < (k + 1) * run; ++p)
-          dot += qg[p] * static_cast<float>(bytes[p] & 15) + qg[P + p] * static_cast<float>(bytes[p] >> 4);
-        total += s[k] * dot + z[k] * qsum[g * K + k];
-      }
+      for (int64_t d = 0; d < 2 * x.P; ++d) total += q[g * 2 * x.P + d] * row[d];
       out[g * C + c] = total;
     }
   }
 }
 
 template <typename scale_t>
-void values_scalar(const float* probs, const int64_t* ps, const uint8_t* codes, Rows cr, const scale_t* scale, Rows sr,
-                   const scale_t* zero, Rows zr, float* out, int64_t b, int64_t h, int64_t C, int64_t P, int64_t G,
-                   int64_t K) {
-  const int64_t run = P / K;
-  std::vector<float> zsum(G * K, 0.f), s(K), z(K);
-  std::fill(out, out + G * 2 * P, 0.f);
+void values_scalar(const float* probs, const int64_t* ps, const Codes<scale_t>& x, float* out, int64_t C, int64_t G) {
+  std::vector<float> row(2 * x.P);
+  std::fill(out, out + G * 2 * x.P, 0.f);
   for (int64_t c = 0; c < C; ++c) {
-    const uint8_t* bytes = codes + cr.at(b, h, c);
-    load_scales(scale + sr.at(b, h, c), zero + zr.at(b, h, c), sr.strides[3], zr.strides[3], K, s.data(), z.data());
+    dequantize_scalar(x, c, row.data());
     for (int64_t g = 0; g < G; ++g) {
       const float weight = probs[g * ps[2] + c * ps[3]];
-      float* og = out + g * 2 * P;
-      for (int64_t k = 0; k < K; ++k) {
-        const float w = weight * s[k];
-        zsum[g * K + k] += weight * z[k];
-        for (int64_t p = k * run; p < (k + 1) * run; ++p) {
-          og[p] += w * static_cast<float>(bytes[p] & 15);
-          og[P + p] += w * static_cast<float>(bytes[p] >> 4);
-        }
-      }
+      for (int64_t d = 0; d < 2 * x.P; ++d) out[g * 2 * x.P + d] += weight * row[d];
     }
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t p = k * run; p < (k + 1) * run; ++p) {
-        out[g * 2 * P + p] += zsum[g * K + k];
-        out[g * 2 * P + P + p] += zsum[g * K + k];
-      }
 }
 
 #if EVICTLAYERS_AVX2
-// 8 bytes -> 8 floats
-inline __m256 to_float(__m128i eight) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)); }
+using evictlayers::QK_ROWS;
+using evictlayers::QK_TILE;
 
-// a slot's P bytes -> its P low nibbles and P high nibbles as floats (an L1-resident scratch row)
-inline void unpack(const uint8_t* bytes, int64_t chunks, float* lo, float* hi) {
-  const __m128i mask = _mm_set1_epi8(15);
-  for (int64_t j = 0; j < chunks; ++j) {
-    const __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes + 8 * j));
-    _mm256_storeu_ps(lo + 8 * j, to_float(_mm_and_si128(v, mask)));
-    _mm256_storeu_ps(hi + 8 * j, to_float(_mm_and_si128(_mm_srli_epi16(v, 4), mask)));
+// the 16 values of bytes 8j .. 8j + 7 dequantised in registers: lo the low nibbles (codes-order channels 8j ..),
+// hi the high ones (P + 8j ..). The bytes are widened to 32-bit lanes first (one instruction), where the low
+// nibble is lane & 15 and the high one lane >> 4.
+inline void dequantize16(const uint8_t* bytes, __m256 scale, __m256 zero, __m256& lo, __m256& hi) {
+  const __m256i lanes = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(bytes)));
+  lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(lanes, _mm256_set1_epi32(15))), scale, zero);
+  hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(lanes, 4)), scale, zero);
+}
+
+// slots c0 .. c0 + n dequantised into rows of 2P floats (codes order) at tile, slot[t] pointing at slot c0 + t's
+template <typename scale_t>
+void dequantize_tile(const Codes<scale_t>& x, int64_t c0, int64_t n, float* tile, const float** slot) {
+  const int64_t P = x.P, per_group = P / x.K / 8;
+  for (int64_t t = 0; t < n; ++t) {
+    const int64_t c = c0 + t;
+    const uint8_t* bytes = x.codes + x.cr.at(x.b, x.h, c);
+    const scale_t* scale = x.scale + x.sr.at(x.b, x.h, c);
+    const scale_t* zero = x.zero + x.zr.at(x.b, x.h, c);
+    float* row = tile + t * 2 * P;
+    slot[t] = row;
+    for (int64_t k = 0; k < x.K; ++k) {
+      const __m256 s = _mm256_set1_ps(static_cast<float>(scale[k * x.sr.strides[3]]));
+      const __m256 z = _mm256_set1_ps(static_cast<float>(zero[k * x.zr.strides[3]]));
+      for (int64_t j = k * per_group; j < (k + 1) * per_group; ++j) {
+        __m256 lo, hi;
+        dequantize16(bytes + 8 * j, s, z, lo, hi);
+        _mm256_storeu_ps(row + 8 * j, lo);
+        _mm256_storeu_ps(row + P + 8 * j, hi);
+      }
+    }
   }
 }
 
-using evictlayers::sum8;
+// rows g0 .. g0 + R of one tile of n <= 8 slots: each slot's codes dequantised in registers once for the R rows,
+// two vectors of partial sums per row (low and high nibbles: two shorter FMA chains), then one vector per row
+template <int64_t R, typename scale_t>
+void logits_tile(const float* q, const Codes<scale_t>& x, int64_t c0, int64_t n, int64_t g0, float* partial,
+                 float* out, int64_t C) {
+  const int64_t P = x.P, per_group = P / x.K / 8;  // 8-byte chunks per group
+  for (int64_t t = 0; t < QK_TILE; ++t) {
+    __m256 lo_acc[R], hi_acc[R];
+    for (int64_t r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
+    if (t < n) {
+      const int64_t c = c0 + t;
+      const uint8_t* bytes = x.codes + x.cr.at(x.b, x.h, c);
+      const scale_t* scale = x.scale + x.sr.at(x.b, x.h, c);
+      const scale_t* zero = x.zero + x.zr.at(x.b, x.h, c);
+      for (int64_t k = 0; k < x.K; ++k) {
+        const __m256 s = _mm256_set1_ps(static_cast<float>(scale[k * x.sr.strides[3]]));
+        const __m256 z = _mm256_set1_ps(static_cast<float>(zero[k * x.zr.strides[3]]));
+        for (int64_t j = k * per_group; j < (k + 1) * per_group; ++j) {
+          __m256 lo, hi;
+          dequantize16(bytes + 8 * j, s, z, lo, hi);
+          for (int64_t r = 0; r < R; ++r) {
+            const float* qr = q + (g0 + r) * 2 * P;
+            lo_acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + 8 * j), lo, lo_acc[r]);
+            hi_acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(qr + P + 8 * j), hi, hi_acc[r]);
+          }
+        }
+      }
+    }
+    for (int64_t r = 0; r < R; ++r)
+      _mm256_storeu_ps(partial + (r * QK_TILE + t) * 8, _mm256_add_ps(lo_acc[r], hi_acc[r]));
+  }
+  evictlayers::logits_store<R>(partial, n, g0, out, C, c0);
+}
 
 template <typename scale_t>
-void logits_avx2(const float* q, const uint8_t* codes, Rows cr, const scale_t* scale, Rows sr, const scale_t* zero,
-                 Rows zr, float* out, int64_t b, int64_t h, int64_t C, int64_t P, int64_t G, int64_t K) {
-  // Slots go in tiles of 8, one per vector lane. Each slot's (g, k) dot product is a vector of 8 partial sums;
-  // sum8 turns the tile's 8 vectors of one (g, k) into one vector over the tile's slots, so the scale, the
-  // zero point and the store work on 8 slots at once.
-  constexpr int64_t TILE = 8;
-  const int64_t chunks = P / 8, per_group = chunks / K;
-  std::vector<float> lo(P), hi(P), partial(G * K * TILE * 8), s(K * TILE, 0.f), z(K * TILE, 0.f), qsum(G * K),
-      last(G * TILE);
-  query_sums(q, G, P, K, qsum.data());
-  for (int64_t c0 = 0; c0 < C; c0 += TILE) {
-    const int64_t n = std::min(TILE, C - c0);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t c = c0 + t;
-      // [k][t]: a group's scales of the tile's slots are one vector
-      load_scales(scale + sr.at(b, h, c), zero + zr.at(b, h, c), sr.strides[3], zr.strides[3], K, s.data() + t,
-                  z.data() + t, TILE);
-      unpack(codes + cr.at(b, h, c), chunks, lo.data(), hi.data());
-      for (int64_t g = 0; g < G; ++g) {
-        const float* qg = q + g * 2 * P;
-        for (int64_t k = 0; k < K; ++k) {
-          __m256 acc = _mm256_setzero_ps();
-          for (int64_t j = k * per_group; j < (k + 1) * per_group; ++j) {
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + 8 * j), _mm256_loadu_ps(lo.data() + 8 * j), acc);
-            acc = _mm256_fmadd_ps(_mm256_loadu_ps(qg + P + 8 * j), _mm256_loadu_ps(hi.data() + 8 * j), acc);
-          }
-          _mm256_storeu_ps(partial.data() + ((g * K + k) * TILE + t) * 8, acc);  // [g][k][t][lane]
-        }
+void logits_avx2(const float* q, const Codes<scale_t>& x, float* out, int64_t C, int64_t G) {
+  // Dequantising in registers beat dequantising a tile into L1 for the dense loops (1.27x at SmolLM2's shape).
+  alignas(32) float partial[QK_ROWS * QK_TILE * 8];
+  for (int64_t c0 = 0; c0 < C; c0 += QK_TILE) {
+    const int64_t n = std::min(QK_TILE, C - c0);
+    for (int64_t g0 = 0; g0 < G; g0 += QK_ROWS) {
+      switch (std::min(QK_ROWS, G - g0)) {
+        case 4: logits_tile<4>(q, x, c0, n, g0, partial, out, C); break;
+        case 3: logits_tile<3>(q, x, c0, n, g0, partial, out, C); break;
+        case 2: logits_tile<2>(q, x, c0, n, g0, partial, out, C); break;
+        default: logits_tile<1>(q, x, c0, n, g0, partial, out, C); break;
       }
     }
-    // a last tile of fewer slots computes lanes past n from stale partial sums: they are never stored
-    float* dest = n == TILE ? out + c0 : last.data();
-    const int64_t stride = n == TILE ? C : TILE;
-    for (int64_t g = 0; g < G; ++g) {
-      __m256 logit = _mm256_setzero_ps();
-      for (int64_t k = 0; k < K; ++k) {
-        const __m256 dot = sum8(partial.data() + (g * K + k) * TILE * 8);
-        logit = _mm256_fmadd_ps(_mm256_loadu_ps(s.data() + k * TILE), dot, logit);
-        logit = _mm256_fmadd_ps(_mm256_loadu_ps(z.data() + k * TILE), _mm256_set1_ps(qsum[g * K + k]), logit);
-      }
-      _mm256_storeu_ps(dest + g * stride, logit);
-    }
-    if (n < TILE)
-      for (int64_t g = 0; g < G; ++g) std::copy(last.data() + g * TILE, last.data() + g * TILE + n, out + g * C + c0);
   }
 }
 
-template <int64_t CHUNKS, typename scale_t>
-void values_avx2(const float* probs, const int64_t* ps, const uint8_t* codes, Rows cr, const scale_t* scale, Rows sr,
-                 const scale_t* zero, Rows zr, float* out, int64_t b, int64_t h, int64_t C, int64_t G, int64_t K) {
-  // Slots go in tiles of 8: each slot unpacked once into an L1 row, its weights spread to one per 8 codes;
-  // then per query row g the 2 * CHUNKS output vectors stay in registers over the tile (CHUNKS a constant so
-  // the compiler can keep them there), and probs * zero is summed per group apart (added at the end).
-  constexpr int64_t TILE = 8, P = 8 * CHUNKS;
-  const int64_t per_group = CHUNKS / K;
-  std::vector<float> lo(TILE * P), hi(TILE * P), acc(G * 2 * P, 0.f), zsum(G * K, 0.f), s(TILE * CHUNKS),
-      z(TILE * K);
-  for (int64_t c0 = 0; c0 < C; c0 += TILE) {
-    const int64_t n = std::min(TILE, C - c0);
-    for (int64_t t = 0; t < n; ++t) {
-      const int64_t c = c0 + t;
-      const scale_t* scale_c = scale + sr.at(b, h, c);
-      const scale_t* zero_c = zero + zr.at(b, h, c);
-      for (int64_t j = 0; j < CHUNKS; ++j)  // one scale per 8 codes: chunk j is in group j / per_group
-        s[t * CHUNKS + j] = static_cast<float>(scale_c[(j / per_group) * sr.strides[3]]);
-      for (int64_t k = 0; k < K; ++k) z[t * K + k] = static_cast<float>(zero_c[k * zr.strides[3]]);
-      unpack(codes + cr.at(b, h, c), CHUNKS, lo.data() + t * P, hi.data() + t * P);
-    }
-    for (int64_t g = 0; g < G; ++g) {
-      float* ag = acc.data() + g * 2 * P;
-      __m256 a_lo[CHUNKS], a_hi[CHUNKS];
-      for (int64_t j = 0; j < CHUNKS; ++j) {
-        a_lo[j] = _mm256_loadu_ps(ag + 8 * j);
-        a_hi[j] = _mm256_loadu_ps(ag + P + 8 * j);
-      }
-      for (int64_t t = 0; t < n; ++t) {
-        const float weight = probs[g * ps[2] + (c0 + t) * ps[3]];
-        for (int64_t k = 0; k < K; ++k) zsum[g * K + k] += weight * z[t * K + k];
-        const float* lo_t = lo.data() + t * P;
-        const float* hi_t = hi.data() + t * P;
-        for (int64_t j = 0; j < CHUNKS; ++j) {
-          const __m256 w = _mm256_set1_ps(weight * s[t * CHUNKS + j]);
-          a_lo[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(lo_t + 8 * j), a_lo[j]);
-          a_hi[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(hi_t + 8 * j), a_hi[j]);
-        }
-      }
-      for (int64_t j = 0; j < CHUNKS; ++j) {
-        _mm256_storeu_ps(ag + 8 * j, a_lo[j]);
-        _mm256_storeu_ps(ag + P + 8 * j, a_hi[j]);
-      }
-    }
+// PV: a tile of ~16 KB of slots (it stays in L1) dequantised, then the dense loops' register-blocked accumulation
+// (cpu_kernels.h) over it. Dequantising in registers there would redo it per block of rows and channels.
+constexpr int64_t PV_TILE_BYTES = 16384;
+
+template <typename scale_t>
+void values_avx2(const float* probs, const int64_t* ps, const Codes<scale_t>& x, float* out, int64_t C, int64_t G) {
+  std::fill(out, out + G * 2 * x.P, 0.f);
+  const int64_t slots = std::max<int64_t>(8, PV_TILE_BYTES / (2 * x.P * static_cast<int64_t>(sizeof(float))));
+  std::vector<float> tile(slots * 2 * x.P);
+  std::vector<const float*> slot(slots);
+  for (int64_t c0 = 0; c0 < C; c0 += slots) {
+    const int64_t n = std::min(slots, C - c0);
+    dequantize_tile(x, c0, n, tile.data(), slot.data());
+    evictlayers::values_tile(probs, ps, slot.data(), out, c0, n, 2 * x.P, G);
   }
-  for (int64_t g = 0; g < G; ++g)
-    for (int64_t j = 0; j < CHUNKS; ++j) {
-      const __m256 zv = _mm256_set1_ps(zsum[g * K + j / per_group]);
-      const float* ag = acc.data() + g * 2 * P;
-      _mm256_storeu_ps(out + g * 2 * P + 8 * j, _mm256_add_ps(_mm256_loadu_ps(ag + 8 * j), zv));
-      _mm256_storeu_ps(out + g * 2 * P + P + 8 * j, _mm256_add_ps(_mm256_loadu_ps(ag + P + 8 * j), zv));
-    }
 }
 #endif
 
@@ -223,90 +194,91 @@ void check(const at::Tensor& rows, const char* rows_name, const at::Tensor& code
            const at::Tensor& zero) {
   TORCH_CHECK(rows.device().is_cpu() && codes.device().is_cpu() && scale.device().is_cpu() && zero.device().is_cpu(),
               "int4 CPU ops take CPU tensors");
-  TORCH_CHECK(rows.dim() == 4 && rows.scalar_type() == at::kFloat, rows_name, " must be [B, H, G, X] float32");
+  TORCH_CHECK(rows.dim() == 4 && rows.scalar_type() == at::kFloat, rows_name, " must be [B, H, G, X] float32, got ",
+              rows.sizes(), " ", rows.scalar_type());
   TORCH_CHECK(codes.dim() == 4 && codes.scalar_type() == at::kByte && codes.stride(3) == 1,
-              "codes must be [B, H, C, P] uint8 with contiguous bytes");
+              "codes must be [B, H, C, P] uint8 with contiguous bytes, got sizes ", codes.sizes(), " strides ",
+              codes.strides(), " ", codes.scalar_type());
   TORCH_CHECK(scale.dim() == 4 && zero.sizes() == scale.sizes() && zero.scalar_type() == scale.scalar_type(),
-              "scale and zero must be [B, H, C, K] of one dtype");
+              "scale and zero must be [B, H, C, K] of one dtype, got ", scale.sizes(), " ", scale.scalar_type(),
+              " and ", zero.sizes(), " ", zero.scalar_type());
   TORCH_CHECK(scale.size(0) == codes.size(0) && scale.size(1) == codes.size(1) && scale.size(2) == codes.size(2) &&
                   scale.size(3) > 0 && codes.size(3) % scale.size(3) == 0,
-              "scale [B, H, C, K] must match codes [B, H, C, P] with K dividing P");
-  TORCH_CHECK(rows.size(0) == codes.size(0) && rows.size(1) == codes.size(1), rows_name, " must match codes' [B, H]");
+              "scale ", scale.sizes(), " must match codes ", codes.sizes(), " as [B, H, C, K] with K dividing P");
+  TORCH_CHECK(rows.size(0) == codes.size(0) && rows.size(1) == codes.size(1), rows_name, " ", rows.sizes(),
+              " must match codes' [B, H] ", codes.sizes());
 }
 
-void check_out(const at::Tensor& out, at::IntArrayRef shape) {
-  TORCH_CHECK(out.sizes() == shape && out.scalar_type() == at::kFloat && out.is_contiguous() && out.device().is_cpu(),
-              "out must be a contiguous float32 CPU tensor of shape ", shape);
+// runs body(b, h, bh, x) for every (b, h) row over at::parallel_for, x that row's codes
+template <typename scale_t, typename Body>
+void each_row(const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero, Body body) {
+  const int64_t H = codes.size(1);
+  const Rows cr{codes.strides().data()}, sr{scale.strides().data()}, zr{zero.strides().data()};
+  at::parallel_for(0, codes.size(0) * H, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const Codes<scale_t> x{codes.data_ptr<uint8_t>(), cr, scale.data_ptr<scale_t>(), sr, zero.data_ptr<scale_t>(),
+                             zr, bh / H, bh % H, codes.size(3), scale.size(3)};
+      body(bh, x);
+    }
+  });
 }
+
+// groups of a multiple of 16 channels: whole 8-byte chunks per group
+bool chunked(const at::Tensor& codes, const at::Tensor& scale) { return (codes.size(3) / scale.size(3)) % 8 == 0; }
 
 }  // namespace
 
-void int4_logits(const at::Tensor& query_in, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
-                 const at::Tensor& out) {
+at::Tensor int4_logits(const at::Tensor& query_in, const at::Tensor& codes, const at::Tensor& scale,
+                       const at::Tensor& zero) {
   check(query_in, "query", codes, scale, zero);
-  TORCH_CHECK(query_in.size(3) == 2 * codes.size(3), "query must have 2P channels");
+  TORCH_CHECK(query_in.size(3) == 2 * codes.size(3), "query ", query_in.sizes(), " must have 2P channels for codes ",
+              codes.sizes());
   const at::Tensor query = query_in.contiguous();
-  const int64_t B = codes.size(0), H = codes.size(1), C = codes.size(2), P = codes.size(3);
-  const int64_t G = query.size(2), K = scale.size(3);
-  check_out(out, {B, H, G, C});
+  const int64_t C = codes.size(2), P = codes.size(3), G = query.size(2);
+  at::Tensor out = at::empty({codes.size(0), codes.size(1), G, C}, query.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scale.scalar_type(), "int4_logits", [&] {
-    const Rows cr{codes.strides().data()}, sr{scale.strides().data()}, zr{zero.strides().data()};
     const float* q = query.data_ptr<float>();
     float* o = out.data_ptr<float>();
-    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t b = bh / H, h = bh % H;
-        const float* q_bh = q + bh * G * 2 * P;
-        const uint8_t* c = codes.data_ptr<uint8_t>();
-        const scalar_t *s = scale.data_ptr<scalar_t>(), *z = zero.data_ptr<scalar_t>();
-        float* out_bh = o + bh * G * C;
+    const bool fast = chunked(codes, scale);
+    each_row<scalar_t>(codes, scale, zero, [&](int64_t bh, const Codes<scalar_t>& x) {
 #if EVICTLAYERS_AVX2
-        if ((P / K) % 8 == 0) {
-          logits_avx2<scalar_t>(q_bh, c, cr, s, sr, z, zr, out_bh, b, h, C, P, G, K);
-          continue;
-        }
+      if (fast) return logits_avx2(q + bh * G * 2 * P, x, o + bh * G * C, C, G);
 #endif
-        logits_scalar<scalar_t>(q_bh, c, cr, s, sr, z, zr, out_bh, b, h, C, P, G, K);
-      }
+      logits_scalar(q + bh * G * 2 * P, x, o + bh * G * C, C, G);
     });
+    (void)fast;
   });
+  return out;
 }
 
-void int4_values(const at::Tensor& probs, const at::Tensor& codes, const at::Tensor& scale, const at::Tensor& zero,
-                 const at::Tensor& out) {
+at::Tensor int4_values(const at::Tensor& probs, const at::Tensor& codes, const at::Tensor& scale,
+                       const at::Tensor& zero) {
   check(probs, "probs", codes, scale, zero);
-  TORCH_CHECK(probs.size(3) == codes.size(2), "probs must have one column per code slot");
-  const int64_t B = codes.size(0), H = codes.size(1), C = codes.size(2), P = codes.size(3);
-  const int64_t G = probs.size(2), K = scale.size(3);
-  check_out(out, {B, H, G, 2 * P});
+  TORCH_CHECK(probs.size(3) == codes.size(2), "probs ", probs.sizes(), " must have one column per code slot of ",
+              codes.sizes());
+  const int64_t C = codes.size(2), P = codes.size(3), G = probs.size(2), H = codes.size(1);
+  at::Tensor out = at::empty({codes.size(0), H, G, 2 * P}, probs.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, scale.scalar_type(), "int4_values", [&] {
-    const Rows cr{codes.strides().data()}, sr{scale.strides().data()}, zr{zero.strides().data()};
     const int64_t* ps = probs.strides().data();
     const float* p = probs.data_ptr<float>();
     float* o = out.data_ptr<float>();
-    at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t b = bh / H, h = bh % H;
-        const float* probs_bh = p + b * ps[0] + h * ps[1];
-        const uint8_t* c = codes.data_ptr<uint8_t>();
-        const scalar_t *s = scale.data_ptr<scalar_t>(), *z = zero.data_ptr<scalar_t>();
-        float* out_bh = o + bh * G * 2 * P;
+    const bool fast = chunked(codes, scale);
+    each_row<scalar_t>(codes, scale, zero, [&](int64_t bh, const Codes<scalar_t>& x) {
+      const float* probs_bh = p + x.b * ps[0] + x.h * ps[1];
 #if EVICTLAYERS_AVX2
-        // head dims 64, 128 and 256 (groups of >= 16 channels): a row's output vectors are a compile-time count
-        if ((P / K) % 8 == 0 && (P == 32 || P == 64 || P == 128)) {
-          const auto kernel = P == 32 ? values_avx2<4, scalar_t> : P == 64 ? values_avx2<8, scalar_t>
-                                                                           : values_avx2<16, scalar_t>;
-          kernel(probs_bh, ps, c, cr, s, sr, z, zr, out_bh, b, h, C, G, K);
-          continue;
-        }
+      if (fast) return values_avx2(probs_bh, ps, x, o + bh * G * 2 * P, C, G);
 #endif
-        values_scalar<scalar_t>(probs_bh, ps, c, cr, s, sr, z, zr, out_bh, b, h, C, P, G, K);
-      }
+      values_scalar(probs_bh, ps, x, o + bh * G * 2 * P, C, G);
     });
+    (void)fast;
   });
+  return out;
 }
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_logits", &int4_logits, "int4 decode logits (int4_cpu.py)");
-  m.def("int4_values", &int4_values, "int4 decode values (int4_cpu.py)");
+TORCH_LIBRARY_IMPL(evictlayers, CPU, m) {
+  m.impl("int4_logits", &int4_logits);
+  m.impl("int4_values", &int4_values);
 }
+
+// torch.utils.cpp_extension.load imports the build as a Python module
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {}

@@ -1,45 +1,43 @@
 """Decode attention's two matmuls straight from int4 codes on CPU: ``evictlayers::int4_logits`` and
-``evictlayers::int4_values``, C++ ops (``int4_cpu.cpp``) with their PyTorch references beside them.
-
-Why a C++ kernel. DESIGN.md asks the quantised decode to dequantise in registers. On CPU, inductor's code
-for a reduction fused with the unpacking was ~5x slower than unpack-then-matmul, and unpack-then-matmul
-(``cpu.py``'s blocks) writes 8 float bytes per code byte, which costs what reading a dense cache does. The
-C++ loops load 8 code bytes, split the nibbles, convert them to floats in AVX2 registers and multiply them
-by the query (QK) or accumulate them into the output (PV) before the next 8 are loaded: the codes are the
-only cache bytes read.
+``evictlayers::int4_values``, C++ kernels (``int4_cpu.cpp``) with their PyTorch references beside them.
 
 The arithmetic (``PackedKV``'s layout, both ops in the codes' channel order: the ``P`` low nibbles, the
 even channels, then the ``P`` high ones; byte ``p`` is in group ``p // run``, ``run = group / 2``):
 
 - ``int4_logits(query [B, H, G, 2P] f32, codes [B, H, C, P] u8, scale, zero [B, H, C, K])`` ->
-  ``[B, H, G, C]`` f32, ``q . (code * scale + zero)``, computed per group as ``scale * (q . code) + zero *
-  sum(q)`` so the scale and zero point multiply once per group, not per code;
+  ``[B, H, G, C]`` f32, ``q . (code * scale + zero)``;
 - ``int4_values(probs [B, H, G, C] f32, codes, scale, zero)`` -> ``[B, H, G, 2P]`` f32, ``sum_c probs[c] *
-  (code[c] * scale[c] + zero[c])``: ``probs * scale`` weights the codes, ``probs * zero`` summed per group
-  is added once at the end.
+  (code[c] * scale[c] + zero[c])``.
 
-How the loops are laid out (AVX2):
+``probs`` may be strided (the code slots' columns of a wider row); the scale and zero point are read in their
+stored dtype (16-bit for the models' caches, any float type).
 
-- QK takes the slots in tiles of 8. Each slot's codes are unpacked into an L1-resident row and multiplied by
-  each query row, one vector of 8 partial sums per group; the 8 slots' vectors of a group are summed into one
-  vector by a tree of ``hadd`` (one horizontal sum per vector cost ~4x as much), so the scale, the zero point
-  and the store then work on 8 slots, one per lane. Summing each slot's vector alone ran at 0.9-1.0x BLAS
-  on the dense float32 keys; the tiles at 0.73-0.94x its time (8k-token prompt, batch 8, 1,639 slots, one
-  thread, a noisy host).
-- PV unpacks a tile of 8 slots, then for each query row keeps the output's ``2P / 8`` vectors in registers
-  across the tile (a compile-time count for head dims 64, 128 and 256), so they are loaded and stored once
-  per tile rather than once per slot.
+Why a C++ kernel. DESIGN.md asks the quantised decode to dequantise in registers. On CPU, inductor's code
+for a reduction fused with the unpacking was ~5x slower than unpack-then-matmul, and unpack-then-matmul
+(``cpu.py``'s blocks) writes 8 float bytes per code byte, which costs what reading a dense cache does. Here
+the codes are the only cache bytes read from memory:
 
-The scale and zero point are read in their stored dtype (16-bit for the models' caches, any float type).
-The AVX2 paths need groups of a multiple of 16 channels (8 bytes per load), and PV a head dim of 64, 128 or
-256; other even groups and head dims, or a machine without AVX2, FMA and F16C, run scalar C++ loops with the same
-arithmetic.
+- QK dequantises each slot in registers: 8 bytes are widened to 32-bit lanes in one instruction, split there
+  into the low (``& 15``) and high (``>> 4``) nibbles, converted, and scaled by one FMA each; the 16 values
+  go straight into the dot products of up to 4 query rows. Slots go in tiles of 8 whose partial sums a tree
+  of ``hadd`` reduces to one vector per row (``cpu_kernels.h``, shared with the dense slot ops).
+- PV dequantises a tile of ~16 KB of slots into a scratch row that stays in L1, then runs the dense slot
+  ops' register-blocked accumulation over it (``cpu_kernels.h``): dequantising in registers there would
+  redo it for every block of rows and channels.
 
-The extension is compiled on first use by ``kernels/cpu_extension.py`` (about a minute once, then cached by
-torch) for the machine it runs on. ``QuantizedKV.allocate`` asks for
-it when an int4 cache is made on CPU, so the build happens at prefill, not inside a decode step someone is
-timing. If it cannot be built, a warning says why and the ops run their PyTorch references (correct,
-slower).
+Against the kernels before them (bytes split in 16-bit lanes into an L1 row, scale and zero point applied per
+group after the dot products), at SmolLM2's shapes (batch 8, 3 KV heads, 3 query rows each, head dim 64,
+1,639 slots, bfloat16 scales, one thread, a layer's cache read cold): QK 0.65 ms against 1.37 ms, PV 0.83
+against 1.03 ms, where the dense slot ops take 1.34 and 1.37 ms over float32 keys and values. The AVX2
+paths need groups of a multiple of 16 channels (whole 8-byte loads per group); other even groups, or a
+machine without AVX2, FMA and F16C, run scalar loops with the same arithmetic.
+
+The C++ file registers itself as the ops' CPU kernels, so a call, eager or from the compiled decode step
+(the ops are opaque there, with the shapes of ``register_fake`` below), goes from the dispatcher straight to
+C++. It is compiled by ``kernels/cpu_extension.py`` on first use (about a minute once, then cached by torch)
+for the machine it runs on: ``QuantizedKV.allocate`` asks for it when an int4 cache is made on CPU, so the
+build happens at prefill, not inside a decode step someone is timing. When it cannot be built, ``available``
+is false, a warning says why, and ``cpu.py`` dequantises blocks of slots for ``torch.matmul`` instead.
 """
 
 from __future__ import annotations
@@ -61,10 +59,17 @@ def serves(bits: int, group: int) -> bool:
 
 
 def extension():
-    """The compiled module (``int4_logits``, ``int4_values``), built on the first call; ``None`` (after one
-    warning) when it cannot be built."""
+    """The compiled module (its import registers the ops' CPU kernels), built on the first call; ``None`` (after
+    one warning) when it cannot be built."""
     return build("evictlayers_int4_cpu", SOURCE, "int4 CPU kernel",
-                 "int4 decode on CPU runs the PyTorch reference instead (same results, slower)")
+                 "int4 decode on CPU dequantises blocks of slots for torch.matmul instead (same results, slower)")
+
+
+@torch._dynamo.assume_constant_result
+def available() -> bool:
+    """Whether the ops have their C++ kernels (building them on the first call). A constant to the compiled
+    decode step: traced once, not re-checked per step."""
+    return extension() is not None
 
 
 def dequantized_codes_order(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
@@ -88,30 +93,11 @@ def int4_values_reference(probs: torch.Tensor, codes: torch.Tensor, scale: torch
     return torch.matmul(probs.float(), dequantized_codes_order(codes, scale, zero))
 
 
-def _logits(query, codes, scale, zero):
-    out = torch.empty((*codes.shape[:2], query.shape[2], codes.shape[2]), dtype=torch.float32)
-    module = extension()
-    if module is None:
-        return out.copy_(int4_logits_reference(query, codes, scale, zero))
-    module.int4_logits(query, codes, scale, zero, out)
-    return out
-
-
-def _values(probs, codes, scale, zero):
-    out = torch.empty((*codes.shape[:2], probs.shape[2], 2 * codes.shape[3]), dtype=torch.float32)
-    module = extension()
-    if module is None:
-        return out.copy_(int4_values_reference(probs, codes, scale, zero))
-    module.int4_values(probs, codes, scale, zero, out)
-    return out
-
-
-# Declared here, implemented by the compiled module: the compiled decode step calls each as one opaque kernel.
+# Declared here, implemented by the compiled C++ file (TORCH_LIBRARY_IMPL), which is loaded by ``extension``: the
+# compiled decode step calls each as one opaque kernel.
 _LIB = torch.library.Library("evictlayers", "FRAGMENT")
 _LIB.define("int4_logits(Tensor query, Tensor codes, Tensor scale, Tensor zero) -> Tensor")
 _LIB.define("int4_values(Tensor probs, Tensor codes, Tensor scale, Tensor zero) -> Tensor")
-_LIB.impl("int4_logits", _logits, "CPU")
-_LIB.impl("int4_values", _values, "CPU")
 torch.library.register_fake(
     "evictlayers::int4_logits",
     lambda query, codes, scale, zero: query.new_empty((*codes.shape[:2], query.shape[2], codes.shape[2])),
