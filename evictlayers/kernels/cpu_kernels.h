@@ -42,7 +42,9 @@ inline __m256 load8(const c10::BFloat16* x) {  // a bfloat16 is the high half of
   const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(x));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
-inline __m256 load8(const c10::Half* x) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x))); }
+inline __m256 load8(const c10::Half* x) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x)));
+}
 
 // QK: the slots go in tiles of QK_TILE, each slot read once for up to QK_ROWS query rows, its dot product with
 // a row kept as a vector of 8 partial sums in partial[r][t] (QK_ROWS * QK_TILE * 8 floats). logits_store reduces

@@ -41,18 +41,20 @@ struct Codes {
   const scale_t* zero;
   Rows zr;
   int64_t b, h, P, K;
+
+  const uint8_t* bytes(int64_t c) const { return codes + cr.at(b, h, c); }
+  // group k of slot c's scale and zero point, as float
+  float scale_of(int64_t c, int64_t k) const { return static_cast<float>(scale[sr.at(b, h, c) + k * sr.strides[3]]); }
+  float zero_of(int64_t c, int64_t k) const { return static_cast<float>(zero[zr.at(b, h, c) + k * zr.strides[3]]); }
 };
 
 // slot c's 2P dequantised values, in codes order, into row (scalar: any group that holds whole bytes)
 template <typename scale_t>
 void dequantize_scalar(const Codes<scale_t>& x, int64_t c, float* row) {
-  const uint8_t* bytes = x.codes + x.cr.at(x.b, x.h, c);
-  const scale_t* scale = x.scale + x.sr.at(x.b, x.h, c);
-  const scale_t* zero = x.zero + x.zr.at(x.b, x.h, c);
+  const uint8_t* bytes = x.bytes(c);
   const int64_t run = x.P / x.K;
   for (int64_t p = 0; p < x.P; ++p) {
-    const float s = static_cast<float>(scale[(p / run) * x.sr.strides[3]]);
-    const float z = static_cast<float>(zero[(p / run) * x.zr.strides[3]]);
+    const float s = x.scale_of(c, p / run), z = x.zero_of(c, p / run);
     row[p] = static_cast<float>(bytes[p] & 15) * s + z;
     row[x.P + p] = static_cast<float>(bytes[p] >> 4) * s + z;
   }
@@ -103,14 +105,11 @@ void dequantize_tile(const Codes<scale_t>& x, int64_t c0, int64_t n, float* tile
   const int64_t P = x.P, per_group = P / x.K / 8;
   for (int64_t t = 0; t < n; ++t) {
     const int64_t c = c0 + t;
-    const uint8_t* bytes = x.codes + x.cr.at(x.b, x.h, c);
-    const scale_t* scale = x.scale + x.sr.at(x.b, x.h, c);
-    const scale_t* zero = x.zero + x.zr.at(x.b, x.h, c);
+    const uint8_t* bytes = x.bytes(c);
     float* row = tile + t * 2 * P;
     slot[t] = row;
     for (int64_t k = 0; k < x.K; ++k) {
-      const __m256 s = _mm256_set1_ps(static_cast<float>(scale[k * x.sr.strides[3]]));
-      const __m256 z = _mm256_set1_ps(static_cast<float>(zero[k * x.zr.strides[3]]));
+      const __m256 s = _mm256_set1_ps(x.scale_of(c, k)), z = _mm256_set1_ps(x.zero_of(c, k));
       for (int64_t j = k * per_group; j < (k + 1) * per_group; ++j) {
         __m256 lo, hi;
         dequantize16(bytes + 8 * j, s, z, lo, hi);
@@ -132,12 +131,9 @@ void logits_tile(const float* q, const Codes<scale_t>& x, int64_t c0, int64_t n,
     for (int64_t r = 0; r < R; ++r) lo_acc[r] = hi_acc[r] = _mm256_setzero_ps();
     if (t < n) {
       const int64_t c = c0 + t;
-      const uint8_t* bytes = x.codes + x.cr.at(x.b, x.h, c);
-      const scale_t* scale = x.scale + x.sr.at(x.b, x.h, c);
-      const scale_t* zero = x.zero + x.zr.at(x.b, x.h, c);
+      const uint8_t* bytes = x.bytes(c);
       for (int64_t k = 0; k < x.K; ++k) {
-        const __m256 s = _mm256_set1_ps(static_cast<float>(scale[k * x.sr.strides[3]]));
-        const __m256 z = _mm256_set1_ps(static_cast<float>(zero[k * x.zr.strides[3]]));
+        const __m256 s = _mm256_set1_ps(x.scale_of(c, k)), z = _mm256_set1_ps(x.zero_of(c, k));
         for (int64_t j = k * per_group; j < (k + 1) * per_group; ++j) {
           __m256 lo, hi;
           dequantize16(bytes + 8 * j, s, z, lo, hi);
