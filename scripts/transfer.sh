@@ -26,9 +26,10 @@ BUDGETS=${BUDGETS:-"0.1 0.2 0.5"}
 MODELS=${MODELS:-"default gemma-3-270m"}
 SEARCH_LENGTHS=${SEARCH_LENGTHS:-1024}
 # the chosen recipes under their candidate names (tova_keydiff_chunked and tova_keydiff_induction ship the
-# same files' policies), and the search's choice before the sliding layers' share was chosen
+# same files' policies), and the search's choices before the sliding layers' share and modules were chosen
 REPORT=${REPORT:-"full h2o snapkv tova_keydiff evictlayers/eval/candidates/tova_keydiff_chunk5.yaml
     evictlayers/eval/candidates/tova_keydiff_chunk5_by_kind25.yaml
+    evictlayers/eval/candidates/tova_keydiff_chunk5_by_kind25_sliding_h2o.yaml
     evictlayers/eval/candidates/tova_keydiff_chunk5_induction50.yaml"}
 STEPS=${STEPS:-"search layer-kinds report perplexity needles render"}
 OUT=${OUT:-docs/retrieval}

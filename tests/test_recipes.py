@@ -156,5 +156,6 @@ def test_missing_recipe_file():
 def test_the_shipped_retrieval_recipe_is_the_candidate_the_tuning_split_chose():
     """docs/retrieval.md reports the search candidate by its file name; the shipped recipe must be it."""
     candidates = Path(el.__file__).parent / "eval" / "candidates"
-    assert el.load_recipe("tova_keydiff_chunked") == el.load_recipe(candidates / "tova_keydiff_chunk5_by_kind25.yaml")
+    assert el.load_recipe("tova_keydiff_chunked") == el.load_recipe(
+        candidates / "tova_keydiff_chunk5_by_kind25_sliding_h2o.yaml")
     assert el.load_recipe("tova_keydiff_induction") == el.load_recipe(candidates / "tova_keydiff_chunk5_induction50.yaml")
