@@ -1,6 +1,6 @@
 // Decode attention's two matmuls straight from int4 codes on CPU (int4_cpu.py documents the ops, their layout and
-// the PyTorch references). No dequantised copy of the cache is made: a tile of slots at a time is dequantised into
-// a few KB that stay in L1, and the dense kernels' tile loops (cpu_kernels.h) multiply it before the next tile.
+// the PyTorch references). No dequantised copy of the cache is made: QK dequantises each slot in registers, PV a
+// tile of ~16 KB of slots at a time into L1 for the dense slot ops' loop (cpu_kernels.h).
 //
 // Layout (PackedKV): a slot's P bytes hold 2P codes, channel 2p in byte p's low nibble and 2p+1 in its high
 // one; group k of the slot's channels has one scale and zero point, so byte p (both nibbles) is in group
