@@ -116,6 +116,26 @@ def row(config: str, params: dict, metrics: dict, info: dict | None = None) -> d
     return {"config": config, "params": params, "status": "ok", "metrics": metrics, "info": info or {}}
 
 
+def kernel_row(config: str, params: dict, seconds: list[float], moved: int, time_baseline: str,
+               bandwidth_baseline: str, info: dict | None = None) -> dict:
+    """A kernel measurement: ``time_us`` per call (lower is better, against ``time_baseline``) and
+    ``gb_per_s``, the ``moved`` bytes per call over its time (against ``bandwidth_baseline``)."""
+    return row(config, params, {
+        "time_us": metric([s * 1e6 for s in seconds], "us", time_baseline, higher_is_better=False),
+        "gb_per_s": metric([moved / s / 1e9 for s in seconds], "GB/s", bandwidth_baseline, higher_is_better=True),
+    }, info)
+
+
+def kernel_cases(benchmark: str, configs, slot_counts, batches, estimate_s: float, measure) -> list[Case]:
+    """One case per (slot count, batch, configuration), in that order, each running ``measure(config, slots,
+    batch)``."""
+    return [
+        Case(benchmark, config, {"slots": slots, "batch": batch}, estimate_s,
+             lambda c=config, s=slots, b=batch: measure(c, s, b))
+        for slots in slot_counts for batch in batches for config in configs
+    ]
+
+
 def skipped(config: str, params: dict, reason: str) -> dict:
     """A configuration that could not run here, and why."""
     return {"config": config, "params": params, "status": "skipped", "reason": reason, "metrics": {}, "info": {}}

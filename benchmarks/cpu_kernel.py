@@ -24,7 +24,7 @@ import itertools
 
 import torch
 
-from benchmarks.common import Case, Context, metric, row, timed_blocks
+from benchmarks.common import Case, Context, kernel_cases, kernel_row, timed_blocks
 
 NAME = "cpu_kernel"
 DEFAULT_REPEATS = 7
@@ -95,15 +95,7 @@ def cases(context: Context) -> list[Case]:
             moved = sum(t.nbytes for t in packed[0][0] + packed[0][1])
         with torch.inference_mode():
             seconds, _ = timed_blocks(step, layers, steps, repeats)
-        return row(config, {"slots": slots, "batch": batch}, {
-            "time_us": metric([s * 1e6 for s in seconds], "us", "matmul", higher_is_better=False),
-            "gb_per_s": metric([moved / s / 1e9 for s in seconds], "GB/s", "read", higher_is_better=True),
-        }, {"bytes_read": moved})
+        return kernel_row(config, {"slots": slots, "batch": batch}, seconds, moved, "matmul", "read",
+                          {"bytes_read": moved})
 
-    out = []
-    for slots in slot_counts:
-        for batch in batches:
-            for config in CONFIGS:
-                out.append(Case(NAME, config, {"slots": slots, "batch": batch}, 2.0,
-                                lambda c=config, s=slots, b=batch: measure(c, s, b)))
-    return out
+    return kernel_cases(NAME, CONFIGS, slot_counts, batches, 2.0, measure)

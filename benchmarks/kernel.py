@@ -20,7 +20,7 @@ import importlib.util
 
 import torch
 
-from benchmarks.common import Case, Context, metric, row, timed_blocks
+from benchmarks.common import Case, Context, kernel_cases, kernel_row, timed_blocks
 
 NAME = "kernel"
 DEFAULT_REPEATS = 5
@@ -79,15 +79,6 @@ def cases(context: Context) -> list[Case]:
             moved = kv_bytes
         with torch.inference_mode():
             seconds, _ = timed_blocks(step, warmup, steps, repeats, sync=torch.cuda.synchronize)
-        return row(config, {"slots": slots, "batch": batch}, {
-            "time_us": metric([s * 1e6 for s in seconds], "us", "sdpa", higher_is_better=False),
-            "gb_per_s": metric([moved / s / 1e9 for s in seconds], "GB/s", "copy", higher_is_better=True),
-        })
+        return kernel_row(config, {"slots": slots, "batch": batch}, seconds, moved, "sdpa", "copy")
 
-    out = []
-    for slots in slot_counts:
-        for batch in batches:
-            for config in CONFIGS:
-                out.append(Case(NAME, config, {"slots": slots, "batch": batch}, 1.0,
-                                lambda c=config, s=slots, b=batch: measure(c, s, b)))
-    return out
+    return kernel_cases(NAME, CONFIGS, slot_counts, batches, 1.0, measure)

@@ -12,8 +12,9 @@ op's unmasked path as transformers' call does (measured with SmolLM2's shapes, 4
 worth of separate buffers, one thread: ~10% less time per call than the masked one, before the bias it
 no longer builds). Where the mass is wanted, or where the op cannot express the call (softcap, value
 heads of another size than the keys), this backend is ``naive.py``'s steps (logits once for output and
-mass) with its two matmuls done by ``slots_cpu.py``'s C++ ops, which read each slot once for every query
-row of its GQA group (``torch.matmul``'s where those cannot be built, or a gradient is wanted).
+mass) with its two matmuls and the softmax between them done by ``slots_cpu.py``'s C++ ops, which read each
+slot once for every query row of its GQA group (``torch.matmul`` and PyTorch's softmax where those cannot be
+built, or a gradient is wanted).
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ def decode_attention_with_mass_cpu(
                    "score_gain": score_gain, "need_mass": need_mass}
         if slots_cpu.serves(query, key, value):
             return decode_attention_with(slots_cpu.slot_logits, slots_cpu.slot_values, query, key, value, query_pos,
-                                         key_pos, **options)
+                                         key_pos, softmax_of=slots_cpu.softmax_mass, **options)
         return decode_attention_with_mass(query, key, value, query_pos, key_pos, **options)
     groups = check_inputs(query, key, value, query_pos, key_pos, gqa_reduce=gqa_reduce, score_gain=score_gain)
     batch, q_heads, head_dim = query.shape

@@ -68,6 +68,29 @@ def matmul_values(probs: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
     return torch.matmul(probs.to(value.dtype), value)
 
 
+def softmax_mass(
+    logits: torch.Tensor,
+    scaling: float,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    *,
+    softcap: float | None,
+    sliding_window: int | None,
+    score_gain: torch.Tensor | None,
+    need_mass: bool,
+    gqa_reduce: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step's logits ``[B, H_kv, G, N]`` (float32, before ``scaling``) -> ``(probs [B, H_kv, G, N], lse
+    [B, H_kv, G], mass [B, H_kv, N])``: ``slot_softmax`` of the scaled logits and its scores reduced over each GQA
+    group (``no_mass`` without ``need_mass``)."""
+    probs, lse, scores = slot_softmax(
+        logits * scaling, query_pos, key_pos, softcap=softcap, sliding_window=sliding_window, score_gain=score_gain,
+        need_mass=need_mass,
+    )
+    mass = reduce_group(scores, gqa_reduce) if need_mass else no_mass(*key_pos.shape, key_pos.device)
+    return probs, lse, mass
+
+
 def decode_attention_with(
     logits_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     values_of: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -83,22 +106,22 @@ def decode_attention_with(
     gqa_reduce: str,
     score_gain: torch.Tensor | None,
     need_mass: bool,
+    softmax_of: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = softmax_mass,
 ) -> DecodeAttention:
     """``decode_attention_with_mass`` (same arguments after the first two) with its two matmuls supplied:
     ``logits_of(grouped query [B, H_kv, G, D] float32, key)`` -> float32 ``[B, H_kv, G, N]`` and
     ``values_of(probs [B, H_kv, G, N] float32, value)`` -> ``[B, H_kv, G, D_v]`` (``matmul_logits`` and
-    ``matmul_values`` here; the CPU backend's C++ ops)."""
+    ``matmul_values`` here; the CPU backend's C++ ops), and the softmax between them (``softmax_of``, with
+    ``softmax_mass``'s signature; the CPU backend's C++ op)."""
     groups = check_inputs(query, key, value, query_pos, key_pos, gqa_reduce=gqa_reduce, score_gain=score_gain)
     batch, q_heads, head_dim = query.shape
     kv_heads = key.shape[1]
     grouped = query.view(batch, kv_heads, groups, head_dim).float()
-    logits = logits_of(grouped, key) * scaling  # [B, H_kv, G, N]
-    probs, lse, scores = slot_softmax(
-        logits, query_pos, key_pos, softcap=softcap, sliding_window=sliding_window, score_gain=score_gain,
-        need_mass=need_mass,
+    probs, lse, mass = softmax_of(
+        logits_of(grouped, key), scaling, query_pos, key_pos, softcap=softcap, sliding_window=sliding_window,
+        score_gain=score_gain, need_mass=need_mass, gqa_reduce=gqa_reduce,
     )
     out = values_of(probs, value)  # [B, H_kv, G, D_v]
-    mass = reduce_group(scores, gqa_reduce) if need_mass else no_mass(*key_pos.shape, key_pos.device)
     return DecodeAttention(out.reshape(batch, q_heads, -1).to(query.dtype), mass, lse.reshape(batch, q_heads))
 
 

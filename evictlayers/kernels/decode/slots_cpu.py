@@ -1,21 +1,28 @@
-"""Decode attention's two matmuls over dense KV slots on CPU: ``evictlayers::slot_logits`` and
-``evictlayers::slot_values``, C++ kernels (``slots_cpu.cpp``). Their PyTorch counterparts are ``naive.py``'s
-``matmul_logits`` and ``matmul_values`` (the same products through ``torch.matmul``, in the cache dtype),
-which serve wherever these cannot.
+"""Decode attention over KV slots on CPU, C++ kernels (``slots_cpu.cpp``): its two matmuls over dense slots,
+``evictlayers::slot_logits`` and ``evictlayers::slot_values``, and the softmax between them with the mass,
+``evictlayers::slot_softmax``. Their PyTorch counterparts are ``naive.py``'s ``matmul_logits``, ``matmul_values``
+(the same products through ``torch.matmul``, in the cache dtype) and ``softmax_mass``, which serve wherever
+these cannot.
 
 - ``slot_logits(query [B, H, G, D] f32, keys [B, H, C, D]) -> [B, H, G, C]`` f32: ``query @ keys^T``;
-- ``slot_values(probs [B, H, G, C] f32, values [B, H, C, Dv]) -> [B, H, G, Dv]`` f32: ``probs @ values``.
+- ``slot_values(probs [B, H, G, C] f32, values [B, H, C, Dv]) -> [B, H, G, Dv]`` f32: ``probs @ values``;
+- ``softmax_mass`` (``slot_softmax``): ``naive.py``'s ``softmax_mass`` (the masked softmax of the scaled logits,
+  the LSE, and the mass reduced over each GQA group) in one pass per (batch, KV head) over its rows in L1.
 
 ``keys`` and ``values`` are float32, bfloat16 or float16, with any strides whose last dimension is contiguous;
 the products accumulate in float32.
 
-Why a kernel. A decode step's attention is ``G`` query rows (a GQA group) against ``C`` slots per KV head:
+Why kernels. A decode step's attention is ``G`` query rows (a GQA group) against ``C`` slots per KV head:
 ``torch.matmul`` hands that to BLAS as ``B * H`` matrix products of ``G`` rows, a shape BLAS runs far below
 its rate. These loops (AVX2 + FMA) read each slot once for up to 4 query rows (logits; tiles of 8 slots
 reduced to one vector per row by a tree of ``hadd``) or keep the output in registers across a tile of about
 16 KB of slots (values). With them compiled H2O decodes 1.18x as fast at 8k-token prompts, batch 8
 (docs/benchmarks.md, "The decode's matmuls over the slots", has the command). Other head dims (not a
-multiple of 8) and machines without AVX2, FMA and F16C run scalar loops with the same arithmetic.
+multiple of 8) and machines without AVX2, FMA and F16C run scalar loops with the same arithmetic. The softmax:
+inductor's code for ``slot_softmax`` compared the int64 slot positions against the query's anew in every pass
+over every query row (four passes, ``G`` rows), and took about 1 ms per layer at SmolLM2's shape with 1,639 slots
+at batch 8, as long as either product; the op builds each head's visibility once as a row of ``0 / -inf`` and
+keeps a row's passes in L1.
 
 The C++ file registers itself as the ops' CPU kernels, so a call, eager or from the compiled decode step
 (the ops are opaque there, with the shapes of ``register_fake`` below), goes from the dispatcher straight to
@@ -30,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from evictlayers.kernels.common import no_mass
 from evictlayers.kernels.cpu_extension import build
 
 SOURCE = Path(__file__).with_name("slots_cpu.cpp")
@@ -39,6 +47,10 @@ SLOT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _LIB = torch.library.Library("evictlayers", "FRAGMENT")
 _LIB.define("slot_logits(Tensor query, Tensor keys) -> Tensor")
 _LIB.define("slot_values(Tensor probs, Tensor values) -> Tensor")
+_LIB.define(
+    "slot_softmax(Tensor logits, Tensor query_pos, Tensor key_pos, float scale, float softcap, int window, "
+    "Tensor? gain, int reduce, bool need_mass) -> (Tensor, Tensor, Tensor)"
+)
 torch.library.register_fake(
     "evictlayers::slot_logits",
     lambda query, keys: query.new_empty((*keys.shape[:2], query.shape[2], keys.shape[2])),
@@ -49,8 +61,37 @@ torch.library.register_fake(
     lambda probs, values: probs.new_empty((*values.shape[:2], probs.shape[2], values.shape[3])),
     lib=_LIB,
 )
+torch.library.register_fake(
+    "evictlayers::slot_softmax",
+    lambda logits, query_pos, key_pos, scale, softcap, window, gain, reduce, need_mass: (
+        torch.empty_like(logits), logits.new_empty(logits.shape[:3]),
+        logits.new_empty((*logits.shape[:2], logits.shape[3] if need_mass else 0)),
+    ),
+    lib=_LIB,
+)
 slot_logits = torch.ops.evictlayers.slot_logits
 slot_values = torch.ops.evictlayers.slot_values
+REDUCE = {"sum": 0, "mean": 1, "max": 2}  # gqa_reduce as the op takes it
+
+
+def softmax_mass(
+    logits: torch.Tensor,
+    scaling: float,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    *,
+    softcap: float | None,
+    sliding_window: int | None,
+    score_gain: torch.Tensor | None,
+    need_mass: bool,
+    gqa_reduce: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``naive.py``'s ``softmax_mass`` (same arguments and results) by ``evictlayers::slot_softmax``."""
+    probs, lse, mass = torch.ops.evictlayers.slot_softmax(
+        logits, query_pos, key_pos, scaling, 0.0 if softcap is None else softcap,
+        -1 if sliding_window is None else sliding_window, score_gain, REDUCE[gqa_reduce], need_mass,
+    )
+    return probs, lse, mass if need_mass else no_mass(*key_pos.shape, key_pos.device)
 
 
 def extension():

@@ -9,13 +9,13 @@ attending. Here:
   no buffer of dequantised slots beyond that tile. The dense residual goes through the dense slot ops
   (``decode/slots_cpu.py``). ``docs/benchmarks.md`` ("int4") has the decode against dense H2O.
 - int8 codes, int4 with an odd group (a byte's two codes in different groups), and int4 where the ops could
-  not be compiled, are cut into ``SLOT_BLOCKS`` blocks: the QK loop dequantises one block into a small buffer and multiplies it by the
-  query before the next block is unpacked (likewise the PV loop with the values), so a block's buffer,
+  not be compiled, are cut into ``SLOT_BLOCKS`` blocks: the QK loop dequantises one block into a small buffer
+  and multiplies it by the query before the next block is unpacked (likewise the PV loop with the values), so a block's buffer,
   ``1 / SLOT_BLOCKS`` of a dense copy, stays in the CPU caches where the whole copy went through memory.
 
-Either way the logits (``[B, H_kv, G, C + R]`` float32, small) are concatenated and go through the naive
-decode's softmax (``decode/naive.py``'s ``slot_softmax``), so masking, softcap, score gain and the GQA
-reduction cannot drift from the reference.
+Either way the logits (``[B, H_kv, G, C + R]`` float32, small) are concatenated and go through the dense
+decode's softmax (``decode/slots_cpu.py``'s C++ op where the dense slot ops are built, else ``decode/naive.py``'s
+``softmax_mass``), so masking, softcap, score gain and the GQA reduction cannot drift from the dense path.
 
 How a block is unpacked, and why:
 
@@ -81,9 +81,9 @@ import threading
 
 import torch
 
-from evictlayers.kernels.common import DecodeAttention, check_packed_inputs, no_mass, reduce_group
+from evictlayers.kernels.common import DecodeAttention, check_packed_inputs
 from evictlayers.kernels.decode import slots_cpu
-from evictlayers.kernels.decode.naive import slot_softmax
+from evictlayers.kernels.decode.naive import softmax_mass
 from evictlayers.kernels.quantization import PackedKV
 from evictlayers.kernels.quantized_decode.int4_cpu import available, int4_logits, int4_values, serves
 
@@ -154,9 +154,10 @@ def quantized_decode_attention_with_mass_cpu(
     residual_ops = slots_cpu.serves(grouped, residual_keys, residual_values)
     logits.append(slots_cpu.slot_logits(grouped, residual_keys) if residual_ops
                   else torch.matmul(grouped, residual_keys.float().transpose(-1, -2)))
-    probs, lse, scores = slot_softmax(
-        torch.cat(logits, -1) * scaling, query_pos, torch.cat([key_pos, residual_pos], 2),
-        softcap=softcap, sliding_window=sliding_window, score_gain=score_gain, need_mass=need_mass,
+    softmax_of = slots_cpu.softmax_mass if residual_ops else softmax_mass
+    probs, lse, mass = softmax_of(
+        torch.cat(logits, -1), scaling, query_pos, torch.cat([key_pos, residual_pos], 2), softcap=softcap,
+        sliding_window=sliding_window, score_gain=score_gain, need_mass=need_mass, gqa_reduce=gqa_reduce,
     )
     coded = probs[..., :n_codes]
     if in_registers:
@@ -170,10 +171,6 @@ def quantized_decode_attention_with_mass_cpu(
     ring = probs[..., n_codes:]
     out = _channel_order(out, halves) + (slots_cpu.slot_values(ring, residual_values) if residual_ops
                                          else torch.matmul(ring, residual_values.float()))
-    mass = (
-        reduce_group(scores, gqa_reduce) if need_mass
-        else no_mass(batch, kv_heads, n_codes + residual_pos.shape[-1], query.device)
-    )
     return DecodeAttention(out.reshape(batch, q_heads, -1).to(query.dtype), mass, lse.reshape(batch, q_heads))
 
 
