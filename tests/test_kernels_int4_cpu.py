@@ -174,3 +174,79 @@ def test_int4_storage_builds_the_kernel_at_allocation(monkeypatch, bits, group, 
     monkeypatch.setattr(int4_cpu, "extension", lambda: calls.append(1))
     QuantizedKV(bits, group, 4).allocate(1, 2, 8, 32, 32, torch.float32, device)
     assert calls == ([1] if built else [])
+
+
+FUSED_CASES = [
+    # slots, head dim, group, query rows per KV head, ring entries, ring dtype, options
+    (37, 64, 32, 3, 4, torch.float32, {}),
+    (9, 64, 16, 1, 0, torch.float32, {"gqa_reduce": "max"}),  # no ring
+    (100, 128, 32, 4, 7, torch.bfloat16, {"sliding_window": 40, "softcap": 30.0}),
+    (23, 48, 16, 3, 2, torch.float16, {"gqa_reduce": "mean"}),  # a head dim whose channels are not a multiple of 32
+    (17, 64, 8, 2, 3, torch.float32, {"score_gain": torch.tensor([0.0, 2.5, 1.0])}),  # groups for the scalar loops
+    (5, 64, 32, 3, 5, torch.bfloat16, {"need_mass": False}),
+]
+
+
+@pytest.mark.parametrize("slots,dim,group,rows,ring,ring_dtype,options", FUSED_CASES,
+                         ids=[f"c{c}-d{d}-group{k}-g{r}-ring{n}-{str(t).removeprefix('torch.')}-"
+                              f"{'-'.join(o) or 'plain'}" for c, d, k, r, n, t, o in FUSED_CASES])
+def test_one_op_takes_the_whole_step_and_matches_the_naive_decode(monkeypatch, slots, dim, group, rows, ring,
+                                                                  ring_dtype, options):
+    """Without a gradient the CPU backend hands the step to ``int4_attention`` (codes and ring in one softmax, the
+    ring's mass at its entries' columns): the naive decode's result, empty slots, slots past the query, a padding
+    query and a normalised key channel scale included."""
+    from evictlayers.kernels.quantized_decode import cpu as quantized_cpu
+
+    monkeypatch.setattr(quantized_cpu, "int4_logits", lambda *args: pytest.fail("the two-op path ran"))
+    key_codes, key_scale, key_zero = codes_of((3, 2, slots, dim), group, torch.bfloat16, slots, spare=3)
+    value_codes, value_scale, value_zero = codes_of((3, 2, slots, dim), group, torch.bfloat16, slots + 1)
+    g = torch.Generator().manual_seed(dim + ring)
+    channel_scale = 2.0 ** torch.randint(-2, 3, (3, 2, 1, dim), generator=g).float()
+    packed = PackedKV(key_codes, key_scale, key_zero, channel_scale, value_codes, value_scale, value_zero, 4, group)
+    query = torch.randn(3, 2 * rows, dim, generator=g)
+    ring_keys, ring_values = (torch.randn(3, 2, ring, dim, generator=g).to(ring_dtype) for _ in range(2))
+    key_pos = torch.randint(-1, 120, (3, 2, slots), generator=g)
+    ring_pos = torch.randint(-1, 120, (3, 2, ring), generator=g)
+    query_pos = torch.tensor([119, 60, -1])
+    got = quantized_cpu.quantized_decode_attention_with_mass_cpu(
+        query, packed, ring_keys, ring_values, query_pos, key_pos, ring_pos, scaling=0.125, **options)
+    # the naive decode computes in the ring's dtype; the op in float32, which the same ring in float32 gives exactly
+    expected = naive.quantized_decode_attention_with_mass(
+        query, packed, ring_keys.float(), ring_values.float(), query_pos, key_pos, ring_pos, scaling=0.125, **options)
+    torch.testing.assert_close(got.out, expected.out, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.lse, expected.lse, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got.mass, expected.mass, rtol=1e-4, atol=1e-5)
+    assert (got.out[2] == 0).all() and (got.lse[2] == float("-inf")).all()
+
+
+def test_a_gradient_takes_the_two_ops_and_the_whole_step_op_checks_its_inputs():
+    """``int4_attention`` has no backward: a query that wants a gradient goes through ``int4_logits`` and
+    ``int4_values`` (each the other's gradient). Its own checks name what was wrong."""
+    from evictlayers.kernels.quantized_decode import cpu as quantized_cpu
+
+    codes, scale, zero = codes_of((2, 3, 10, 64), 32, torch.bfloat16, 6)
+    packed = PackedKV(codes, scale, zero, torch.ones(2, 3, 1, 64), codes, scale, zero, 4, 32)
+    ring = torch.randn(2, 3, 2, 64)
+    assert quantized_cpu._fused(torch.randn(2, 9, 64), ring, ring)
+    assert not quantized_cpu._fused(torch.randn(2, 9, 64, requires_grad=True), ring, ring)
+    assert not quantized_cpu._fused(torch.randn(2, 9, 64), ring, ring.bfloat16())
+    query = torch.randn(2, 9, 64, requires_grad=True)
+    args = (query, packed, ring, ring, torch.full((2,), 12), torch.arange(10).expand(2, 3, 10),
+            torch.tensor([10, 11]).expand(2, 3, 2))
+    quantized_cpu.quantized_decode_attention_with_mass_cpu(*args, scaling=0.125).out.sum().backward()
+    torch.testing.assert_close(query.grad, torch.autograd.grad(
+        naive.quantized_decode_attention_with_mass(*args, scaling=0.125).out.sum(), query)[0], rtol=1e-4, atol=1e-4)
+
+    grouped = torch.randn(2, 3, 3, 64)
+    positions = torch.arange(10).expand(2, 3, 10), torch.tensor([10, 11]).expand(2, 3, 2), torch.full((2,), 12)
+
+    def call(ring_keys=ring, ring_pos=positions[1], query=grouped):
+        return int4_cpu.int4_attention(grouped, query, codes, scale, zero, codes, scale, zero, ring_keys, ring,
+                                       positions[0], ring_pos, positions[2], 0.125, 0.0, -1, None, 0, True)
+
+    with pytest.raises(RuntimeError, match="ring_pos must be \\[B, H, 2\\] int64"):
+        call(ring_pos=positions[1][..., :1])
+    with pytest.raises(RuntimeError, match="ring_keys must be \\[B, H, R, 64\\] .* one dtype"):
+        call(ring_keys=ring.double())
+    with pytest.raises(RuntimeError, match="query must be \\[B, H, G, D\\] float32"):
+        call(query=grouped[..., :32])

@@ -1,21 +1,31 @@
 // What the C++ CPU kernels share (decode/slots_cpu.cpp, quantized_decode/int4_cpu.cpp): addressing a slot row by
-// strides and, on AVX2 machines, how the decode's QK reduces and stores a tile of logits and the PV loops over a
-// tile of float slots (slots_cpu.cpp runs them on the cache's own rows, int4_cpu.cpp on rows it has just
-// dequantised into L1).
+// strides, the decode's softmax over one query row with the mass it adds up, and, on AVX2 machines, how the
+// decode's QK reduces and stores a tile of logits and the PV loops over a tile of float slots (slots_cpu.cpp runs
+// them on the cache's own rows, int4_cpu.cpp on rows it has just dequantised into L1).
 #pragma once
 
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <limits>
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define EVICTLAYERS_AVX2 1
+// ATen's vector types are AVX2 code only where the capability is named before their header (else a scalar
+// fallback: the softmax's exp took ten times as long)
+#define CPU_CAPABILITY AVX2
+#define CPU_CAPABILITY_AVX2
 #else
 #define EVICTLAYERS_AVX2 0
 #endif
+#include <ATen/cpu/vec/vec.h>
+#include <torch/extension.h>
+
+#include <optional>
 
 namespace evictlayers {
 
@@ -24,6 +34,116 @@ struct Rows {
   const int64_t* strides;
   int64_t at(int64_t b, int64_t h, int64_t c) const { return b * strides[0] + h * strides[1] + c * strides[2]; }
 };
+
+// ---- the decode's softmax -----------------------------------------------------------------------------------------
+//
+// One (b, h): which slots the query sees goes into a row of 0 / -inf once (hidden), shared by the G query rows;
+// each row is then three passes over its floats in L1 (scaled and masked logits with their max; exp and sum;
+// normalise), and the rows' probabilities (or AhaKV's gained ones) are combined into each slot's mass. Inductor's
+// code for the same steps compared the int64 positions anew in every pass of every row, at several times the cost.
+
+using Vec = at::vec::Vectorized<float>;
+constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
+enum Reduce : int64_t { SUM = 0, MEAN = 1, MAX = 2 };  // gqa_reduce
+
+// The softmax's options, checked as the ops take them (query_pos [B] int64, gain [B] or none, reduce, softcap);
+// returns the gain as contiguous float32 (undefined without one).
+inline at::Tensor checked_softmax_options(const at::Tensor& query_pos, int64_t B, const std::optional<at::Tensor>& gain,
+                                          int64_t reduce, double softcap) {
+  TORCH_CHECK(query_pos.dim() == 1 && query_pos.scalar_type() == at::kLong && query_pos.size(0) == B,
+              "query_pos must be [B] int64 with B = ", B, ", got ", query_pos.sizes(), " ", query_pos.scalar_type());
+  TORCH_CHECK(reduce == SUM || reduce == MEAN || reduce == MAX, "reduce must be 0 (sum), 1 (mean) or 2 (max), got ",
+              reduce);
+  TORCH_CHECK(softcap >= 0, "softcap must be positive, or 0 for none; got ", softcap);
+  if (!gain.has_value()) return at::Tensor();
+  TORCH_CHECK(gain->dim() == 1 && gain->size(0) == B, "gain must be [B] with B = ", B, ", got ", gain->sizes());
+  return gain->contiguous().to(at::kFloat);
+}
+
+// 0 where a query at query_pos (-1: padding) sees the slot holding position at (-1: empty), else -inf; window < 0:
+// no sliding window
+inline float hidden(int64_t at, int64_t query_pos, int64_t window) {
+  const bool seen = query_pos >= 0 && at >= 0 && at <= query_pos && (window < 0 || query_pos - at < window);
+  return seen ? 0.0f : NEG_INF;
+}
+
+// out[c] = softmax over c of factor * cap(scale * x[c]) + hidden[c] (out may be x); returns the row's log-sum-exp
+// (-inf, and a row of zeros, when it sees nothing). cap: softcap * tanh(y / softcap), none when softcap is 0.
+inline float row_softmax(const float* x, const float* hidden, int64_t C, float scale, float softcap, float factor,
+                         float* out) {
+  const Vec vscale(scale), vfactor(factor), vcap(softcap), vinv_cap(softcap > 0 ? 1.0f / softcap : 0.0f);
+  Vec best(NEG_INF);
+  int64_t c = 0;
+  for (; c + Vec::size() <= C; c += Vec::size()) {
+    Vec y = Vec::loadu(x + c) * vscale;
+    if (softcap > 0) y = (y * vinv_cap).tanh() * vcap;
+    y = y * vfactor + Vec::loadu(hidden + c);
+    y.store(out + c);
+    best = at::vec::maximum(best, y);
+  }
+  float most = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, best);
+  for (; c < C; ++c) {
+    float y = x[c] * scale;
+    if (softcap > 0) y = std::tanh(y / softcap) * softcap;
+    out[c] = y * factor + hidden[c];
+    most = std::max(most, out[c]);
+  }
+  if (most == NEG_INF) {
+    std::fill(out, out + C, 0.0f);
+    return NEG_INF;
+  }
+  const Vec vmost(most);
+  Vec total(0.0f);
+  for (c = 0; c + Vec::size() <= C; c += Vec::size()) {
+    const Vec e = (Vec::loadu(out + c) - vmost).exp_u20();
+    e.store(out + c);
+    total = total + e;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, total);
+  for (; c < C; ++c) {
+    out[c] = std::exp(out[c] - most);
+    sum += out[c];
+  }
+  const Vec vinv(1.0f / sum);
+  for (c = 0; c + Vec::size() <= C; c += Vec::size()) (Vec::loadu(out + c) * vinv).store(out + c);
+  for (; c < C; ++c) out[c] *= 1.0f / sum;
+  return most + std::log(sum);
+}
+
+// mass[c] = how(mass[c], row[c]) (MEAN adds: the caller divides by G once), or row[c] for the group's first row
+inline void combine(float* mass, const float* row, int64_t C, int64_t how, bool first) {
+  if (first) {
+    std::copy(row, row + C, mass);
+    return;
+  }
+  int64_t c = 0;
+  for (; c + Vec::size() <= C; c += Vec::size()) {
+    const Vec a = Vec::loadu(mass + c), b = Vec::loadu(row + c);
+    (how == MAX ? at::vec::maximum(a, b) : a + b).store(mass + c);
+  }
+  for (; c < C; ++c) mass[c] = how == MAX ? std::max(mass[c], row[c]) : mass[c] + row[c];
+}
+
+// The G rows of one (b, h): probs [G, C] the probabilities of logits [G, C] (both of row stride C; probs may be
+// logits), lse[g] each row's log-sum-exp; with need_mass, mass [C] the rows' probabilities (with a gain, the
+// gained ones; gained is C floats of scratch) reduced by how. hidden [C] as above.
+inline void rows_softmax(const float* logits, float* probs, const float* hidden, int64_t G, int64_t C, float scale,
+                         float softcap, const float* gain, int64_t how, bool need_mass, float* lse, float* mass,
+                         float* gained) {
+  for (int64_t g = 0; g < G; ++g) {
+    const float* row = logits + g * C;
+    if (need_mass && gain) {  // before the row's probabilities may overwrite its logits
+      row_softmax(row, hidden, C, scale, softcap, *gain, gained);
+      combine(mass, gained, C, how, g == 0);
+    }
+    lse[g] = row_softmax(row, hidden, C, scale, softcap, 1.0f, probs + g * C);
+    if (need_mass && !gain) combine(mass, probs + g * C, C, how, g == 0);
+  }
+  if (need_mass && how == MEAN && G > 0) {
+    const float inv = 1.0f / static_cast<float>(G);
+    for (int64_t c = 0; c < C; ++c) mass[c] *= inv;
+  }
+}
 
 #if EVICTLAYERS_AVX2
 // the horizontal sums of 8 vectors (8 floats each, consecutive), in order, in one vector (one horizontal sum per

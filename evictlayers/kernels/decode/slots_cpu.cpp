@@ -27,16 +27,9 @@
 
 #include "cpu_kernels.h"
 
-// ATen's vector types are AVX2 code only where the capability is named before the header (else a scalar
-// fallback: the softmax's exp took ten times as long)
-#if EVICTLAYERS_AVX2
-#define CPU_CAPABILITY AVX2
-#define CPU_CAPABILITY_AVX2
-#endif
-#include <ATen/cpu/vec/vec.h>
-
 namespace {
 
+using evictlayers::NEG_INF;
 using evictlayers::Rows;
 
 template <typename kv_t>
@@ -197,79 +190,6 @@ at::Tensor slot_values(const at::Tensor& probs, const at::Tensor& values) {
   return out;
 }
 
-
-namespace {
-
-// ---- slot_softmax ------------------------------------------------------------------------------------------------
-//
-// One (b, h): which slots the query sees goes into a row of 0 / -inf once, shared by the G rows; each row is then
-// three passes over C floats in L1 (scaled and masked logits with their max; exp and sum; normalise), and the
-// rows' probabilities (or the gained ones) are combined into the slot's mass. Inductor's code for the same steps
-// compared the int64 positions anew in every pass of every row, at several times the cost.
-
-using Vec = at::vec::Vectorized<float>;
-constexpr float NEG_INF = -std::numeric_limits<float>::infinity();
-enum Reduce : int64_t { SUM = 0, MEAN = 1, MAX = 2 };
-
-// out[c] = softmax over c of factor * cap(scale * x[c]) + hidden[c]; returns the row's log-sum-exp (-inf, and a
-// row of zeros, when it sees nothing)
-float row_softmax(const float* x, const float* hidden, int64_t C, float scale, float softcap, float factor,
-                  float* out) {
-  const Vec vscale(scale), vfactor(factor), vcap(softcap), vinv_cap(softcap > 0 ? 1.0f / softcap : 0.0f);
-  Vec best(NEG_INF);
-  int64_t c = 0;
-  for (; c + Vec::size() <= C; c += Vec::size()) {
-    Vec y = Vec::loadu(x + c) * vscale;
-    if (softcap > 0) y = (y * vinv_cap).tanh() * vcap;
-    y = y * vfactor + Vec::loadu(hidden + c);
-    y.store(out + c);
-    best = at::vec::maximum(best, y);
-  }
-  float most = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return at::vec::maximum(a, b); }, best);
-  for (; c < C; ++c) {
-    float y = x[c] * scale;
-    if (softcap > 0) y = std::tanh(y / softcap) * softcap;
-    out[c] = y * factor + hidden[c];
-    most = std::max(most, out[c]);
-  }
-  if (most == NEG_INF) {
-    std::fill(out, out + C, 0.0f);
-    return NEG_INF;
-  }
-  const Vec vmost(most);
-  Vec total(0.0f);
-  for (c = 0; c + Vec::size() <= C; c += Vec::size()) {
-    const Vec e = (Vec::loadu(out + c) - vmost).exp_u20();
-    e.store(out + c);
-    total = total + e;
-  }
-  float sum = at::vec::vec_reduce_all<float>([](Vec& a, Vec& b) { return a + b; }, total);
-  for (; c < C; ++c) {
-    out[c] = std::exp(out[c] - most);
-    sum += out[c];
-  }
-  const Vec vinv(1.0f / sum);
-  for (c = 0; c + Vec::size() <= C; c += Vec::size()) (Vec::loadu(out + c) * vinv).store(out + c);
-  for (; c < C; ++c) out[c] *= 1.0f / sum;
-  return most + std::log(sum);
-}
-
-// mass[c] = reduce(mass[c], row[c]) for the row-th row of a group
-void combine(float* mass, const float* row, int64_t C, int64_t how, bool first) {
-  if (first) {
-    std::copy(row, row + C, mass);
-    return;
-  }
-  int64_t c = 0;
-  for (; c + Vec::size() <= C; c += Vec::size()) {
-    const Vec a = Vec::loadu(mass + c), b = Vec::loadu(row + c);
-    (how == MAX ? at::vec::maximum(a, b) : a + b).store(mass + c);
-  }
-  for (; c < C; ++c) mass[c] = how == MAX ? std::max(mass[c], row[c]) : mass[c] + row[c];
-}
-
-}  // namespace
-
 std::tuple<at::Tensor, at::Tensor, at::Tensor> slot_softmax(
     const at::Tensor& logits_in, const at::Tensor& query_pos_in, const at::Tensor& key_pos_in, double scale,
     double softcap, int64_t window, const std::optional<at::Tensor>& gain_in, int64_t reduce, bool need_mass) {
@@ -282,17 +202,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> slot_softmax(
                   key_pos_in.size(1) == H && key_pos_in.size(2) == C,
               "key_pos must be [B, H, C] int64 matching logits ", logits_in.sizes(), ", got ", key_pos_in.sizes(), " ",
               key_pos_in.scalar_type());
-  TORCH_CHECK(query_pos_in.dim() == 1 && query_pos_in.scalar_type() == at::kLong && query_pos_in.size(0) == B,
-              "query_pos must be [B] int64 with B = ", B, ", got ", query_pos_in.sizes(), " ",
-              query_pos_in.scalar_type());
-  TORCH_CHECK(reduce == SUM || reduce == MEAN || reduce == MAX, "reduce must be 0 (sum), 1 (mean) or 2 (max), got ",
-              reduce);
-  TORCH_CHECK(softcap >= 0, "softcap must be positive, or 0 for none; got ", softcap);
-  at::Tensor gain;
-  if (gain_in.has_value()) {
-    gain = gain_in->contiguous().to(at::kFloat);
-    TORCH_CHECK(gain.dim() == 1 && gain.size(0) == B, "gain must be [B] with B = ", B, ", got ", gain.sizes());
-  }
+  const at::Tensor gain = evictlayers::checked_softmax_options(query_pos_in, B, gain_in, reduce, softcap);
   const at::Tensor logits = logits_in.contiguous(), query_pos = query_pos_in.contiguous(),
                    key_pos = key_pos_in.contiguous();
   at::Tensor probs = at::empty({B, H, G, C}, logits.options());
@@ -310,26 +220,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> slot_softmax(
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / H, query = qp[b];
       const int64_t* slot_pos = kp + bh * C;
-      for (int64_t c = 0; c < C; ++c) {
-        const int64_t at = slot_pos[c];
-        const bool seen = query >= 0 && at >= 0 && at <= query && (window < 0 || query - at < window);
-        hidden[c] = seen ? 0.0f : NEG_INF;
-      }
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t row = bh * G + g;
-        l[row] = row_softmax(x + row * C, hidden.data(), C, scale, softcap, 1.0f, p + row * C);
-        if (!need_mass) continue;
-        const float* scores = p + row * C;
-        if (gains) {
-          row_softmax(x + row * C, hidden.data(), C, scale, softcap, gains[b], gained.data());
-          scores = gained.data();
-        }
-        combine(m + bh * C, scores, C, reduce, g == 0);
-      }
-      if (need_mass && reduce == MEAN && G > 0) {
-        const float inv = 1.0f / static_cast<float>(G);
-        for (int64_t c = 0; c < C; ++c) m[bh * C + c] *= inv;
-      }
+      for (int64_t c = 0; c < C; ++c) hidden[c] = evictlayers::hidden(slot_pos[c], query, window);
+      evictlayers::rows_softmax(x + bh * G * C, p + bh * G * C, hidden.data(), G, C, scale, softcap,
+                                gains ? gains + b : nullptr, reduce, need_mass, l + bh * G, m + bh * C, gained.data());
     }
   });
   return {probs, lse, mass};

@@ -6,12 +6,15 @@ attending. Here:
 
 - int4 codes whose groups hold whole bytes (an even ``group``, every shipped recipe) go to ``int4_cpu.py``'s
   C++ ops, which dequantise the codes in registers (QK) or a tile of ~16 KB of slots at a time in L1 (PV):
-  no buffer of dequantised slots beyond that tile. The dense residual goes through the dense slot ops
-  (``decode/slots_cpu.py``). ``docs/benchmarks.md`` ("int4") has the decode against dense H2O.
+  no buffer of dequantised slots beyond that tile. Without a gradient one op, ``int4_attention``, takes the
+  whole step (codes and dense residual, softmax and mass); with one, ``int4_logits`` and ``int4_values`` (each
+  the other's backward) and the dense residual through the dense slot ops (``decode/slots_cpu.py``).
+  ``docs/benchmarks.md`` ("int4") has the decode against dense H2O.
 - int8 codes, int4 with an odd group (a byte's two codes in different groups), and int4 where the ops could
   not be compiled, are cut into ``SLOT_BLOCKS`` blocks: the QK loop dequantises one block into a small buffer
-  and multiplies it by the query before the next block is unpacked (likewise the PV loop with the values), so a block's buffer,
-  ``1 / SLOT_BLOCKS`` of a dense copy, stays in the CPU caches where the whole copy went through memory.
+  and multiplies it by the query before the next block is unpacked (likewise the PV loop with the values), so a
+  block's buffer, ``1 / SLOT_BLOCKS`` of a dense copy, stays in the CPU caches where the whole copy went through
+  memory.
 
 Either way the logits (``[B, H_kv, G, C + R]`` float32, small) are concatenated and go through the dense
 decode's softmax (``decode/slots_cpu.py``'s C++ op where the dense slot ops are built, else ``decode/naive.py``'s
@@ -81,11 +84,11 @@ import threading
 
 import torch
 
-from evictlayers.kernels.common import DecodeAttention, check_packed_inputs
+from evictlayers.kernels.common import DecodeAttention, check_packed_inputs, no_mass
 from evictlayers.kernels.decode import slots_cpu
 from evictlayers.kernels.decode.naive import softmax_mass
 from evictlayers.kernels.quantization import PackedKV
-from evictlayers.kernels.quantized_decode.int4_cpu import available, int4_logits, int4_values, serves
+from evictlayers.kernels.quantized_decode.int4_cpu import available, int4_attention, int4_logits, int4_values, serves
 
 SLOT_BLOCKS = 4  # compiled: blocks the code slots are unpacked in (each block's buffer is 1/4 of a dense copy)
 EAGER_BLOCK_BYTES = 2 << 20  # eager: the most float32 bytes one block's keys or values take (2 MiB)...
@@ -135,6 +138,18 @@ def quantized_decode_attention_with_mass_cpu(
     # the query in the codes' channel order, times the keys' channel scale ([B, H_kv, G, D])
     permuted = _codes_order(grouped * packed.key_channel_scale, halves)
     in_registers = serves(packed.bits, packed.group) and available()  # int4_cpu.py's ops; otherwise blocks
+    if in_registers and _fused(query, residual_keys, residual_values):
+        out, lse, mass = int4_attention(
+            permuted, grouped, packed.key_codes, packed.key_scale, packed.key_zero, packed.value_codes,
+            packed.value_scale, packed.value_zero, residual_keys, residual_values, key_pos, residual_pos, query_pos,
+            scaling, 0.0 if softcap is None else softcap, -1 if sliding_window is None else sliding_window,
+            score_gain, slots_cpu.REDUCE[gqa_reduce], need_mass,
+        )
+        return DecodeAttention(
+            out.reshape(batch, q_heads, -1).to(query.dtype),
+            mass if need_mass else no_mass(batch, kv_heads, n_codes + residual_pos.shape[-1], query.device),
+            lse.reshape(batch, q_heads),
+        )
     if in_registers:
         blocks = []
         logits = [int4_logits(permuted, packed.key_codes, packed.key_scale, packed.key_zero)]
@@ -172,6 +187,16 @@ def quantized_decode_attention_with_mass_cpu(
     out = _channel_order(out, halves) + (slots_cpu.slot_values(ring, residual_values) if residual_ops
                                          else torch.matmul(ring, residual_values.float()))
     return DecodeAttention(out.reshape(batch, q_heads, -1).to(query.dtype), mass, lse.reshape(batch, q_heads))
+
+
+def _fused(query: torch.Tensor, residual_keys: torch.Tensor, residual_values: torch.Tensor) -> bool:
+    """Whether ``int4_attention`` takes the whole step: no gradient wanted (it has no backward; the two int4 ops
+    do), and a ring it reads as held (float32, bfloat16 or float16 with contiguous channels, one dtype)."""
+    return (
+        not (query.requires_grad or residual_keys.requires_grad or residual_values.requires_grad)
+        and residual_keys.dtype == residual_values.dtype and residual_keys.dtype in slots_cpu.SLOT_DTYPES
+        and residual_keys.stride(-1) == 1 and residual_values.stride(-1) == 1
+    )
 
 
 def _unpacked(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, block: slice, packed: PackedKV):

@@ -20,9 +20,12 @@
 // the same way.
 #include <torch/extension.h>
 #include <ATen/Dispatch.h>
+#include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <optional>
+#include <tuple>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -60,15 +63,16 @@ void dequantize_scalar(const Codes<scale_t>& x, int64_t c, float* row) {
   }
 }
 
+// out[g * ldo + c] for the C slots
 template <typename scale_t>
-void logits_scalar(const float* q, const Codes<scale_t>& x, float* out, int64_t C, int64_t G) {
+void logits_scalar(const float* q, const Codes<scale_t>& x, float* out, int64_t C, int64_t G, int64_t ldo) {
   std::vector<float> row(2 * x.P);
   for (int64_t c = 0; c < C; ++c) {
     dequantize_scalar(x, c, row.data());
     for (int64_t g = 0; g < G; ++g) {
       float total = 0;
       for (int64_t d = 0; d < 2 * x.P; ++d) total += q[g * 2 * x.P + d] * row[d];
-      out[g * C + c] = total;
+      out[g * ldo + c] = total;
     }
   }
 }
@@ -124,7 +128,7 @@ void dequantize_tile(const Codes<scale_t>& x, int64_t c0, int64_t n, float* tile
 // two vectors of partial sums per row (low and high nibbles: two shorter FMA chains), then one vector per row
 template <int64_t R, typename scale_t>
 void logits_tile(const float* q, const Codes<scale_t>& x, int64_t c0, int64_t n, int64_t g0, float* partial,
-                 float* out, int64_t C) {
+                 float* out, int64_t ldo) {
   const int64_t P = x.P, per_group = P / x.K / 8;  // 8-byte chunks per group
   for (int64_t t = 0; t < QK_TILE; ++t) {
     __m256 lo_acc[R], hi_acc[R];
@@ -148,21 +152,22 @@ void logits_tile(const float* q, const Codes<scale_t>& x, int64_t c0, int64_t n,
     for (int64_t r = 0; r < R; ++r)
       _mm256_storeu_ps(partial + (r * QK_TILE + t) * 8, _mm256_add_ps(lo_acc[r], hi_acc[r]));
   }
-  evictlayers::logits_store<R>(partial, n, g0, out, C, c0);
+  evictlayers::logits_store<R>(partial, n, g0, out, ldo, c0);
 }
 
+// out[g * ldo + c] for the C slots
 template <typename scale_t>
-void logits_avx2(const float* q, const Codes<scale_t>& x, float* out, int64_t C, int64_t G) {
+void logits_avx2(const float* q, const Codes<scale_t>& x, float* out, int64_t C, int64_t G, int64_t ldo) {
   // Dequantising in registers beat dequantising a tile into L1 for the dense loops (1.27x at SmolLM2's shape).
   alignas(32) float partial[QK_ROWS * QK_TILE * 8];
   for (int64_t c0 = 0; c0 < C; c0 += QK_TILE) {
     const int64_t n = std::min(QK_TILE, C - c0);
     for (int64_t g0 = 0; g0 < G; g0 += QK_ROWS) {
       switch (std::min(QK_ROWS, G - g0)) {
-        case 4: logits_tile<4>(q, x, c0, n, g0, partial, out, C); break;
-        case 3: logits_tile<3>(q, x, c0, n, g0, partial, out, C); break;
-        case 2: logits_tile<2>(q, x, c0, n, g0, partial, out, C); break;
-        default: logits_tile<1>(q, x, c0, n, g0, partial, out, C); break;
+        case 4: logits_tile<4>(q, x, c0, n, g0, partial, out, ldo); break;
+        case 3: logits_tile<3>(q, x, c0, n, g0, partial, out, ldo); break;
+        case 2: logits_tile<2>(q, x, c0, n, g0, partial, out, ldo); break;
+        default: logits_tile<1>(q, x, c0, n, g0, partial, out, ldo); break;
       }
     }
   }
@@ -185,6 +190,50 @@ void values_avx2(const float* probs, const int64_t* ps, const Codes<scale_t>& x,
   }
 }
 #endif
+
+// ---- the dense residual (the ring) ------------------------------------------------------------------------------
+
+// q [D] . k [D], k in the ring's dtype
+template <typename kv_t>
+float dot(const float* q, const kv_t* k, int64_t D) {
+  float total = 0;
+  int64_t d = 0;
+#if EVICTLAYERS_AVX2
+  if (D % 8 == 0) {
+    __m256 acc = _mm256_setzero_ps();
+    for (; d < D; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), evictlayers::load8(k + d), acc);
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, acc);
+    for (const float lane : lanes) total += lane;
+  }
+#endif
+  for (; d < D; ++d) total += q[d] * static_cast<float>(k[d]);
+  return total;
+}
+
+// the R ring entries' logits of q [G, D] (natural channel order) into out[g * ldo + r]
+template <typename kv_t>
+void residual_logits(const float* q, const kv_t* keys, Rows kr, int64_t b, int64_t h, int64_t R, int64_t D, int64_t G,
+                 float* out, int64_t ldo) {
+  for (int64_t r = 0; r < R; ++r) {
+    const kv_t* k = keys + kr.at(b, h, r);
+    for (int64_t g = 0; g < G; ++g) out[g * ldo + r] = dot(q + g * D, k, D);
+  }
+}
+
+// out [G, Dv] += sum_r probs[g * ldp + r] * values[r] (natural channel order)
+template <typename kv_t>
+void residual_values(const float* probs, int64_t ldp, const kv_t* values, Rows vr, int64_t b, int64_t h, int64_t R,
+                 int64_t Dv, int64_t G, float* out) {
+  for (int64_t r = 0; r < R; ++r) {
+    const kv_t* v = values + vr.at(b, h, r);
+    for (int64_t g = 0; g < G; ++g) {
+      const float weight = probs[g * ldp + r];
+      if (weight == 0.0f) continue;  // a hidden entry (empty, or outside the window)
+      for (int64_t d = 0; d < Dv; ++d) out[g * Dv + d] += weight * static_cast<float>(v[d]);
+    }
+  }
+}
 
 void check(const at::Tensor& rows, const char* rows_name, const at::Tensor& codes, const at::Tensor& scale,
            const at::Tensor& zero) {
@@ -238,9 +287,9 @@ at::Tensor int4_logits(const at::Tensor& query_in, const at::Tensor& codes, cons
     const bool fast = chunked(codes, scale);
     each_row<scalar_t>(codes, scale, zero, [&](int64_t bh, const Codes<scalar_t>& x) {
 #if EVICTLAYERS_AVX2
-      if (fast) return logits_avx2(q + bh * G * 2 * P, x, o + bh * G * C, C, G);
+      if (fast) return logits_avx2(q + bh * G * 2 * P, x, o + bh * G * C, C, G, C);
 #endif
-      logits_scalar(q + bh * G * 2 * P, x, o + bh * G * C, C, G);
+      logits_scalar(q + bh * G * 2 * P, x, o + bh * G * C, C, G, C);
     });
     (void)fast;
   });
@@ -271,9 +320,108 @@ at::Tensor int4_values(const at::Tensor& probs, const at::Tensor& codes, const a
   return out;
 }
 
+// One decode step's attention over a layer's int4 code slots and its dense ring: the logits of both into one
+// [G, C + R] scratch row per (b, h) (L1/L2, never written to memory), the softmax and mass in place
+// (cpu_kernels.h), then PV over the codes (codes order, turned back to channel order) plus the ring.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_attention(
+    const at::Tensor& query_codes_in, const at::Tensor& query_in, const at::Tensor& key_codes,
+    const at::Tensor& key_scale, const at::Tensor& key_zero, const at::Tensor& value_codes,
+    const at::Tensor& value_scale, const at::Tensor& value_zero, const at::Tensor& ring_keys,
+    const at::Tensor& ring_values, const at::Tensor& key_pos_in, const at::Tensor& ring_pos_in,
+    const at::Tensor& query_pos_in, double scale, double softcap, int64_t window,
+    const std::optional<at::Tensor>& gain_in, int64_t reduce, bool need_mass) {
+  check(query_codes_in, "query_codes", key_codes, key_scale, key_zero);
+  check(query_codes_in, "query_codes", value_codes, value_scale, value_zero);
+  const int64_t B = key_codes.size(0), H = key_codes.size(1), C = key_codes.size(2), P = key_codes.size(3),
+                Pv = value_codes.size(3), G = query_codes_in.size(2), R = ring_keys.size(2), N = C + R;
+  TORCH_CHECK(query_codes_in.size(3) == 2 * P && value_codes.size(2) == C && key_scale.scalar_type() ==
+                  value_scale.scalar_type(),
+              "query_codes ", query_codes_in.sizes(), " must have 2P channels for key codes ", key_codes.sizes(),
+              ", value codes ", value_codes.sizes(), " the same slots, and both scales one dtype");
+  TORCH_CHECK(query_in.dim() == 4 && query_in.scalar_type() == at::kFloat && query_in.size(0) == B &&
+                  query_in.size(1) == H && query_in.size(2) == G && query_in.size(3) == 2 * P,
+              "query must be [B, H, G, D] float32 like query_codes ", query_codes_in.sizes(), ", got ",
+              query_in.sizes(), " ", query_in.scalar_type());
+  for (const auto& [ring, name, dim] : {std::tuple(ring_keys, "ring_keys", 2 * P),
+                                        std::tuple(ring_values, "ring_values", 2 * Pv)})
+    TORCH_CHECK(ring.dim() == 4 && ring.size(0) == B && ring.size(1) == H && ring.size(2) == R &&
+                    ring.size(3) == dim && ring.stride(3) == 1 && ring.scalar_type() == ring_keys.scalar_type() &&
+                    (ring.scalar_type() == at::kFloat || ring.scalar_type() == at::kBFloat16 ||
+                     ring.scalar_type() == at::kHalf),
+                name, " must be [B, H, R, ", dim, "] float32, bfloat16 or float16 with contiguous channels (keys "
+                "and values one dtype), got sizes ", ring.sizes(), " strides ", ring.strides(), " ",
+                ring.scalar_type());
+  for (const auto& [pos, name, slots] : {std::tuple(key_pos_in, "key_pos", C), std::tuple(ring_pos_in, "ring_pos", R)})
+    TORCH_CHECK(pos.dim() == 3 && pos.scalar_type() == at::kLong && pos.size(0) == B && pos.size(1) == H &&
+                    pos.size(2) == slots,
+                name, " must be [B, H, ", slots, "] int64, got ", pos.sizes(), " ", pos.scalar_type());
+  const at::Tensor gain = evictlayers::checked_softmax_options(query_pos_in, B, gain_in, reduce, softcap);
+  const at::Tensor query_codes = query_codes_in.contiguous(), query = query_in.contiguous(),
+                   key_pos = key_pos_in.contiguous(), ring_pos = ring_pos_in.contiguous(),
+                   query_pos = query_pos_in.contiguous();
+  at::Tensor out = at::empty({B, H, G, 2 * Pv}, query.options());
+  at::Tensor lse = at::empty({B, H, G}, query.options());
+  at::Tensor mass = at::empty({B, H, need_mass ? N : 0}, query.options());
+  const bool fast = chunked(key_codes, key_scale) && chunked(value_codes, value_scale);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key_scale.scalar_type(), "int4_attention", [&] {
+    using code_scale_t = scalar_t;
+    AT_DISPATCH_V2(ring_keys.scalar_type(), "int4_attention_ring", AT_WRAP([&] {
+      const Rows kcr{key_codes.strides().data()}, ksr{key_scale.strides().data()}, kzr{key_zero.strides().data()},
+          vcr{value_codes.strides().data()}, vsr{value_scale.strides().data()}, vzr{value_zero.strides().data()},
+          rkr{ring_keys.strides().data()}, rvr{ring_values.strides().data()};
+      const int64_t probs_strides[4] = {0, 0, N, 1};
+      const float* gains = gain.defined() ? gain.data_ptr<float>() : nullptr;
+      at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
+        std::vector<float> logits(G * N), hidden(N), gained(gains ? N : 0), codes_out(G * 2 * Pv);
+        for (int64_t bh = begin; bh < end; ++bh) {
+          const int64_t b = bh / H, h = bh % H, at_query = query_pos.data_ptr<int64_t>()[b];
+          const Codes<code_scale_t> keys{key_codes.data_ptr<uint8_t>(), kcr, key_scale.data_ptr<code_scale_t>(), ksr,
+                                         key_zero.data_ptr<code_scale_t>(), kzr, b, h, P, key_scale.size(3)};
+          const Codes<code_scale_t> values{value_codes.data_ptr<uint8_t>(), vcr,
+                                           value_scale.data_ptr<code_scale_t>(), vsr,
+                                           value_zero.data_ptr<code_scale_t>(), vzr, b, h, Pv, value_scale.size(3)};
+          const int64_t* code_pos = key_pos.data_ptr<int64_t>() + bh * C;
+          const int64_t* entry_pos = ring_pos.data_ptr<int64_t>() + bh * R;
+          for (int64_t c = 0; c < C; ++c) hidden[c] = evictlayers::hidden(code_pos[c], at_query, window);
+          for (int64_t r = 0; r < R; ++r) hidden[C + r] = evictlayers::hidden(entry_pos[r], at_query, window);
+          const float* qc = query_codes.data_ptr<float>() + bh * G * 2 * P;
+#if EVICTLAYERS_AVX2
+          if (fast)
+            logits_avx2(qc, keys, logits.data(), C, G, N);
+          else
+#endif
+            logits_scalar(qc, keys, logits.data(), C, G, N);
+          residual_logits(query.data_ptr<float>() + bh * G * 2 * P, ring_keys.data_ptr<scalar_t>(), rkr, b, h, R, 2 * P,
+                      G, logits.data() + C, N);
+          evictlayers::rows_softmax(logits.data(), logits.data(), hidden.data(), G, N, scale, softcap,
+                                    gains ? gains + b : nullptr, reduce, need_mass, lse.data_ptr<float>() + bh * G,
+                                    mass.data_ptr<float>() + bh * N, gained.data());
+#if EVICTLAYERS_AVX2
+          if (fast)
+            values_avx2(logits.data(), probs_strides, values, codes_out.data(), C, G);
+          else
+#endif
+            values_scalar(logits.data(), probs_strides, values, codes_out.data(), C, G);
+          // codes order (the Pv low nibbles, channels 0, 2, ..; then the high ones) back to channel order
+          float* o = out.data_ptr<float>() + bh * G * 2 * Pv;
+          for (int64_t g = 0; g < G; ++g)
+            for (int64_t p = 0; p < Pv; ++p) {
+              o[g * 2 * Pv + 2 * p] = codes_out[g * 2 * Pv + p];
+              o[g * 2 * Pv + 2 * p + 1] = codes_out[g * 2 * Pv + Pv + p];
+            }
+          residual_values(logits.data() + C, N, ring_values.data_ptr<scalar_t>(), rvr, b, h, R, 2 * Pv, G, o);
+        }
+      });
+    }), at::kFloat, at::kBFloat16, at::kHalf);
+  });
+  (void)fast;
+  return {out, lse, mass};
+}
+
 TORCH_LIBRARY_IMPL(evictlayers, CPU, m) {
   m.impl("int4_logits", &int4_logits);
   m.impl("int4_values", &int4_values);
+  m.impl("int4_attention", &int4_attention);
 }
 
 // torch.utils.cpp_extension.load imports the build as a Python module

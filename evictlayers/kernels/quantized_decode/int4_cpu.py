@@ -1,5 +1,6 @@
-"""Decode attention's two matmuls straight from int4 codes on CPU: ``evictlayers::int4_logits`` and
-``evictlayers::int4_values``, C++ kernels (``int4_cpu.cpp``) with their PyTorch references beside them.
+"""Decode attention straight from int4 codes on CPU: its two matmuls, ``evictlayers::int4_logits`` and
+``evictlayers::int4_values``, C++ kernels (``int4_cpu.cpp``) with their PyTorch references beside them, and
+``evictlayers::int4_attention``, the whole step in one op.
 
 The arithmetic (``PackedKV``'s layout, both ops in the codes' channel order: the ``P`` low nibbles, the
 even channels, then the ``P`` high ones; byte ``p`` is in group ``p // run``, ``run = group / 2``):
@@ -11,6 +12,17 @@ even channels, then the ``P`` high ones; byte ``p`` is in group ``p // run``, ``
 
 ``probs`` may be strided (the code slots' columns of a wider row); the scale and zero point are read in their
 stored dtype (16-bit for the models' caches, any float type).
+
+``int4_attention(query_codes, query, key codes/scale/zero, value codes/scale/zero, ring_keys, ring_values,
+key_pos, ring_pos, query_pos, scale, softcap, window, gain, reduce, need_mass)`` -> ``(out [B, H, G, Dv], lse
+[B, H, G], mass [B, H, C + R])`` is ``cpu.py``'s decode for an int4 cache with its dense ring (the backend
+signature's ``key_pos`` and ``residual_pos``): per (batch, KV head) the codes' logits (``int4_logits``' loops,
+``query_codes`` in the codes' order) and the ring's (``query`` in channel order) go into one scratch row of
+``C + R`` floats, the decode's softmax and mass run on it in place (``cpu_kernels.h``, as ``slot_softmax`` does),
+and PV over the codes (``int4_values``' loops, turned back to channel order) and the ring makes the output.
+Against the ops one by one it writes no logits or probabilities to memory, concatenates nothing, and is one
+call instead of five (``docs/benchmarks.md``, "Decode throughput", has the decode against dense H2O). It has
+no backward: a gradient goes through the two ops.
 
 Why a C++ kernel. DESIGN.md asks the quantised decode to dequantise in registers. On CPU, inductor's code
 for a reduction fused with the unpacking was ~5x slower than unpack-then-matmul, and unpack-then-matmul
@@ -106,8 +118,29 @@ torch.library.register_fake(
     lambda probs, codes, scale, zero: probs.new_empty((*codes.shape[:2], probs.shape[2], 2 * codes.shape[3])),
     lib=_LIB,
 )
+_LIB.define(
+    "int4_attention(Tensor query_codes, Tensor query, Tensor key_codes, Tensor key_scale, Tensor key_zero, "
+    "Tensor value_codes, Tensor value_scale, Tensor value_zero, Tensor ring_keys, Tensor ring_values, "
+    "Tensor key_pos, Tensor ring_pos, Tensor query_pos, float scale, float softcap, int window, Tensor? gain, "
+    "int reduce, bool need_mass) -> (Tensor, Tensor, Tensor)"
+)
+
+
+def _attention_shapes(query_codes, query, key_codes, key_scale, key_zero, value_codes, *rest):
+    ring_keys, need_mass = rest[2], rest[-1]
+    batch, heads, slots = key_codes.shape[:3]
+    held = slots + ring_keys.shape[2]
+    return (
+        query.new_empty((batch, heads, query.shape[2], 2 * value_codes.shape[3])),
+        query.new_empty((batch, heads, query.shape[2])),
+        query.new_empty((batch, heads, held if need_mass else 0)),
+    )
+
+
+torch.library.register_fake("evictlayers::int4_attention", _attention_shapes, lib=_LIB)
 int4_logits = torch.ops.evictlayers.int4_logits
 int4_values = torch.ops.evictlayers.int4_values
+int4_attention = torch.ops.evictlayers.int4_attention
 
 
 def _keep_codes(ctx, inputs, output):
