@@ -227,9 +227,9 @@ def test_a_gradient_takes_the_two_ops_and_the_whole_step_op_checks_its_inputs():
     codes, scale, zero = codes_of((2, 3, 10, 64), 32, torch.bfloat16, 6)
     packed = PackedKV(codes, scale, zero, torch.ones(2, 3, 1, 64), codes, scale, zero, 4, 32)
     ring = torch.randn(2, 3, 2, 64)
-    assert quantized_cpu._fused(torch.randn(2, 9, 64), ring, ring)
-    assert not quantized_cpu._fused(torch.randn(2, 9, 64, requires_grad=True), ring, ring)
-    assert not quantized_cpu._fused(torch.randn(2, 9, 64), ring, ring.bfloat16())
+    assert quantized_cpu.whole_step_serves(torch.randn(2, 9, 64), packed, ring, ring)
+    assert not quantized_cpu.whole_step_serves(torch.randn(2, 9, 64, requires_grad=True), packed, ring, ring)
+    assert not quantized_cpu.whole_step_serves(torch.randn(2, 9, 64), packed, ring, ring.bfloat16())
     query = torch.randn(2, 9, 64, requires_grad=True)
     args = (query, packed, ring, ring, torch.full((2,), 12), torch.arange(10).expand(2, 3, 10),
             torch.tensor([10, 11]).expand(2, 3, 2))
@@ -242,7 +242,7 @@ def test_a_gradient_takes_the_two_ops_and_the_whole_step_op_checks_its_inputs():
 
     def call(ring_keys=ring, ring_pos=positions[1], query=grouped):
         return int4_cpu.int4_attention(grouped, query, codes, scale, zero, codes, scale, zero, ring_keys, ring,
-                                       positions[0], ring_pos, positions[2], 0.125, 0.0, -1, None, 0, True)
+                                       positions[0], ring_pos, None, positions[2], 0.125, 0.0, -1, None, 0, True)
 
     with pytest.raises(RuntimeError, match="ring_pos must be \\[B, H, 2\\] int64"):
         call(ring_pos=positions[1][..., :1])
@@ -250,3 +250,30 @@ def test_a_gradient_takes_the_two_ops_and_the_whole_step_op_checks_its_inputs():
         call(ring_keys=ring.double())
     with pytest.raises(RuntimeError, match="query must be \\[B, H, G, D\\] float32"):
         call(query=grouped[..., :32])
+
+
+@pytest.mark.parametrize("need_mass", [True, False])
+def test_the_ring_over_its_slots_in_one_op_equals_masking_and_folding_around_the_backend(monkeypatch, need_mass):
+    """``quantized_ring_attention`` (``QuantizedSlots``' layout: ring entries overlay code slots, -1 for none) on CPU
+    hands the overlay to ``int4_attention``, which hides the overlaid code rows and adds each entry's mass to its
+    slot; the same call with the overlay built around the backend (masked slot positions, then the mass folded
+    with ``scatter_add``) is the reference."""
+    from evictlayers.kernels import dispatch
+
+    key_codes, key_scale, key_zero = codes_of((2, 3, 40, 64), 32, torch.bfloat16, 11)
+    value_codes, value_scale, value_zero = codes_of((2, 3, 40, 64), 32, torch.bfloat16, 12)
+    packed = PackedKV(key_codes, key_scale, key_zero, torch.ones(2, 3, 1, 64), value_codes, value_scale, value_zero,
+                      4, 32)
+    g = torch.Generator().manual_seed(13)
+    query = torch.randn(2, 9, 64, generator=g)
+    ring_keys, ring_values = (torch.randn(2, 3, 6, 64, generator=g) for _ in range(2))
+    slot_pos = torch.randint(-1, 50, (2, 3, 40), generator=g)
+    ring_slot = torch.stack([torch.randperm(40, generator=g)[:6] for _ in range(6)]).view(2, 3, 6)
+    ring_slot[0, 1, :2] = -1  # entries holding nothing
+    args = (query, packed, ring_keys, ring_values, torch.tensor([49, 30]), slot_pos, ring_slot)
+    got = dispatch.quantized_ring_attention(*args, scaling=0.125, need_mass=need_mass)
+    monkeypatch.setattr(dispatch, "whole_step_serves", lambda *args: False)
+    expected = dispatch.quantized_ring_attention(*args, scaling=0.125, need_mass=need_mass)
+    assert got.mass.shape == expected.mass.shape == slot_pos.shape
+    for name in ("out", "lse", "mass"):
+        torch.testing.assert_close(getattr(got, name), getattr(expected, name), rtol=1e-4, atol=1e-5)

@@ -9,7 +9,12 @@ residual); ``dispatch.py`` picks the backend. ``common.py`` holds the result typ
 from evictlayers.kernels.attention_sinks import apply_attention_sinks
 from evictlayers.kernels.common import GQA_REDUCTIONS, AttentionMass, DecodeAttention
 from evictlayers.kernels.decode.naive import decode_attention_with_mass
-from evictlayers.kernels.dispatch import decode_attention, prefill_attention, quantized_decode_attention
+from evictlayers.kernels.dispatch import (
+    decode_attention,
+    prefill_attention,
+    quantized_decode_attention,
+    quantized_ring_attention,
+)
 from evictlayers.kernels.prefill.naive import attention_with_mass
 
 # the Triton modules are imported by the dispatcher on first use only: triton reads TRITON_INTERPRET
@@ -17,4 +22,5 @@ from evictlayers.kernels.prefill.naive import attention_with_mass
 __all__ = [
     "GQA_REDUCTIONS", "AttentionMass", "DecodeAttention", "apply_attention_sinks", "attention_with_mass",
     "decode_attention", "decode_attention_with_mass", "prefill_attention", "quantized_decode_attention",
+    "quantized_ring_attention",
 ]

@@ -2,7 +2,10 @@
 
 ``decode_attention``, ``quantized_decode_attention`` and ``prefill_attention`` take exactly the
 arguments every backend of their op takes (``decode/naive.py``, ``quantized_decode/naive.py`` and
-``prefill/naive.py`` document them) and hand them, unchanged, to one:
+``prefill/naive.py`` document them) and hand them, unchanged, to one. ``quantized_ring_attention`` is
+``quantized_decode_attention`` over ``QuantizedSlots``' layout (a dense ring overlaying code slots): it
+builds that op's arguments and folds the ring's mass back into its slots, except where the CPU backend's
+one-op int4 step does both itself. The backends:
 
 - ``auto`` (default): Triton on CUDA tensors when Triton is installed; on CPU the CPU backends (they
   compile into the fixed-shape decode graph): the decode through the fused flash op when no mass is
@@ -33,7 +36,11 @@ from evictlayers.kernels.decode.naive import decode_attention_with_mass
 from evictlayers.kernels.prefill.cpu import attention_with_mass_cpu
 from evictlayers.kernels.prefill.naive import attention_with_mass
 from evictlayers.kernels.quantization import PackedKV
-from evictlayers.kernels.quantized_decode.cpu import quantized_decode_attention_with_mass_cpu
+from evictlayers.kernels.quantized_decode.cpu import (
+    int4_decode_attention,
+    quantized_decode_attention_with_mass_cpu,
+    whole_step_serves,
+)
 from evictlayers.kernels.quantized_decode.naive import quantized_decode_attention_with_mass
 
 ENV_VAR = "EVICTLAYERS_KERNELS"
@@ -154,6 +161,43 @@ def quantized_decode_attention(
         softcap=softcap, sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain,
         need_mass=need_mass,
     )
+
+
+def quantized_ring_attention(
+    query: torch.Tensor,
+    packed: PackedKV,
+    ring_keys: torch.Tensor,
+    ring_values: torch.Tensor,
+    query_pos: torch.Tensor,
+    slot_pos: torch.Tensor,
+    ring_slot: torch.Tensor,
+    **options,
+) -> DecodeAttention:
+    """``quantized_decode_attention`` over code slots of which some are held dense in a ring: ``slot_pos`` ``[B,
+    H_kv, C]`` the slots' positions, ``ring_keys``/``ring_values`` ``[B, H_kv, R, D]`` the ring, ``ring_slot`` ``[B,
+    H_kv, R]`` int64 the slot each entry's token is in (``-1``: none), whose code row is then stale and not read.
+    The mass ``[B, H_kv, C]`` has each entry's mass at its slot; ``options`` are the decode's keywords."""
+    live = ring_slot >= 0
+    target = ring_slot.clamp(min=0)
+    ring_pos = torch.where(live, slot_pos.gather(2, target), -1)
+    if decode_backend(query) == "cpu" and whole_step_serves(query, packed, ring_keys, ring_values):
+        return int4_decode_attention(query, packed, ring_keys, ring_values, query_pos, slot_pos, ring_pos, ring_slot,
+                                     **_decode_options(options))
+    dense = torch.zeros_like(slot_pos).scatter_add_(2, target, live.long()) > 0
+    attention = quantized_decode_attention(
+        query, packed, ring_keys, ring_values, query_pos, slot_pos.masked_fill(dense, -1), ring_pos, **options
+    )
+    capacity = slot_pos.shape[-1]
+    codes_mass, ring_mass = attention.mass[..., :capacity], attention.mass[..., capacity:]
+    if options.get("need_mass", True):
+        codes_mass = codes_mass.scatter_add(2, target, torch.where(live, ring_mass, 0.0))
+    return attention._replace(mass=codes_mass)
+
+
+def _decode_options(options: dict) -> dict:
+    """The decode keywords with their defaults filled in (a backend called directly takes every one)."""
+    defaults = {"softcap": None, "sliding_window": None, "gqa_reduce": "sum", "score_gain": None, "need_mass": True}
+    return {**defaults, **options}
 
 
 def prefill_attention(

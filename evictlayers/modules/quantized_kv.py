@@ -45,7 +45,7 @@ import torch
 
 from evictlayers.core import Component
 from evictlayers.core.slots import along_slots, batch_head_index
-from evictlayers.kernels import DecodeAttention, quantized_decode_attention
+from evictlayers.kernels import DecodeAttention, quantized_ring_attention
 from evictlayers.kernels.quantization import BITS, PackedKV, quantize_groups
 from evictlayers.kernels.quantized_decode import int4_cpu
 
@@ -213,19 +213,10 @@ class QuantizedSlots:
         ``query`` ``[B, H_q, D]``, ``pos`` ``[B, H, C]`` the slots' positions, ``query_pos`` ``[B]``; ``options``
         are the decode kernels' keywords (``scaling``, ``softcap``, ``sliding_window``, ``gqa_reduce``,
         ``score_gain``, ``need_mass``)."""
-        live = self.ring_slot >= 0
-        target = self.ring_slot.clamp(min=0)
         # a slot whose token is dense is attended through its ring entry, not its (stale) code row
-        dense = torch.zeros_like(pos).scatter_add_(2, target, live.long()) > 0
-        attention = quantized_decode_attention(
-            query, self.packed(), self.ring_keys, self.ring_values, query_pos, pos.masked_fill(dense, -1),
-            torch.where(live, pos.gather(2, target), -1), **options,
+        return quantized_ring_attention(
+            query, self.packed(), self.ring_keys, self.ring_values, query_pos, pos, self.ring_slot, **options
         )
-        capacity = pos.shape[-1]
-        codes_mass, ring_mass = attention.mass[..., :capacity], attention.mass[..., capacity:]
-        if options.get("need_mass", True):
-            codes_mass = codes_mass.scatter_add(2, target, torch.where(live, ring_mass, 0.0))
-        return attention._replace(mass=codes_mass)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """``(keys [B, H, C, D], values [B, H, C, Dv])`` dequantised in the model dtype, ring tokens exact."""

@@ -127,6 +127,12 @@ def quantized_decode_attention_with_mass_cpu(
     need_mass: bool = True,
 ) -> DecodeAttention:
     """``naive.py``'s ``quantized_decode_attention_with_mass`` without the dense copy; see it for the arguments."""
+    if whole_step_serves(query, packed, residual_keys, residual_values):
+        return int4_decode_attention(
+            query, packed, residual_keys, residual_values, query_pos, key_pos, residual_pos, None, scaling=scaling,
+            softcap=softcap, sliding_window=sliding_window, gqa_reduce=gqa_reduce, score_gain=score_gain,
+            need_mass=need_mass,
+        )
     groups = check_packed_inputs(
         query, packed, residual_keys, residual_values, query_pos, key_pos, residual_pos,
         gqa_reduce=gqa_reduce, score_gain=score_gain,
@@ -138,18 +144,6 @@ def quantized_decode_attention_with_mass_cpu(
     # the query in the codes' channel order, times the keys' channel scale ([B, H_kv, G, D])
     permuted = _codes_order(grouped * packed.key_channel_scale, halves)
     in_registers = serves(packed.bits, packed.group) and available()  # int4_cpu.py's ops; otherwise blocks
-    if in_registers and _fused(query, residual_keys, residual_values):
-        out, lse, mass = int4_attention(
-            permuted, grouped, packed.key_codes, packed.key_scale, packed.key_zero, packed.value_codes,
-            packed.value_scale, packed.value_zero, residual_keys, residual_values, key_pos, residual_pos, query_pos,
-            scaling, 0.0 if softcap is None else softcap, -1 if sliding_window is None else sliding_window,
-            score_gain, slots_cpu.REDUCE[gqa_reduce], need_mass,
-        )
-        return DecodeAttention(
-            out.reshape(batch, q_heads, -1).to(query.dtype),
-            mass if need_mass else no_mass(batch, kv_heads, n_codes + residual_pos.shape[-1], query.device),
-            lse.reshape(batch, q_heads),
-        )
     if in_registers:
         blocks = []
         logits = [int4_logits(permuted, packed.key_codes, packed.key_scale, packed.key_zero)]
@@ -189,13 +183,58 @@ def quantized_decode_attention_with_mass_cpu(
     return DecodeAttention(out.reshape(batch, q_heads, -1).to(query.dtype), mass, lse.reshape(batch, q_heads))
 
 
-def _fused(query: torch.Tensor, residual_keys: torch.Tensor, residual_values: torch.Tensor) -> bool:
-    """Whether ``int4_attention`` takes the whole step: no gradient wanted (it has no backward; the two int4 ops
-    do), and a ring it reads as held (float32, bfloat16 or float16 with contiguous channels, one dtype)."""
+def whole_step_serves(query: torch.Tensor, packed: PackedKV, residual_keys: torch.Tensor,
+                      residual_values: torch.Tensor) -> bool:
+    """Whether ``int4_attention`` takes the whole step: int4 codes the ops read (built), no gradient wanted (it has
+    no backward; the two int4 ops do), and a residual it reads as held (float32, bfloat16 or float16 with
+    contiguous channels, keys and values one dtype)."""
     return (
-        not (query.requires_grad or residual_keys.requires_grad or residual_values.requires_grad)
+        serves(packed.bits, packed.group) and available()
+        and not (query.requires_grad or residual_keys.requires_grad or residual_values.requires_grad)
         and residual_keys.dtype == residual_values.dtype and residual_keys.dtype in slots_cpu.SLOT_DTYPES
         and residual_keys.stride(-1) == 1 and residual_values.stride(-1) == 1
+    )
+
+
+def int4_decode_attention(
+    query: torch.Tensor,
+    packed: PackedKV,
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    residual_pos: torch.Tensor,
+    ring_slot: torch.Tensor | None,
+    *,
+    scaling: float,
+    softcap: float | None,
+    sliding_window: int | None,
+    gqa_reduce: str,
+    score_gain: torch.Tensor | None,
+    need_mass: bool,
+) -> DecodeAttention:
+    """The whole step in ``int4_attention`` (``whole_step_serves`` must hold); the arguments are
+    ``quantized_decode_attention_with_mass_cpu``'s, plus ``ring_slot`` ``[B, H_kv, R]`` int64: ``None`` for that
+    signature (the mass covers the code slots, then the residual's), or the code slot each residual entry
+    overlays (``-1``: none), whose code row is then hidden and whose mass takes the entry's (mass ``[B, H_kv,
+    C]``)."""
+    groups = check_packed_inputs(
+        query, packed, residual_keys, residual_values, query_pos, key_pos, residual_pos,
+        gqa_reduce=gqa_reduce, score_gain=score_gain,
+    )
+    batch, q_heads, head_dim = query.shape
+    kv_heads, n_codes = key_pos.shape[1:]
+    grouped = query.view(batch, kv_heads, groups, head_dim).float()
+    out, lse, mass = int4_attention(
+        _codes_order(grouped * packed.key_channel_scale, 2), grouped, packed.key_codes, packed.key_scale,
+        packed.key_zero, packed.value_codes, packed.value_scale, packed.value_zero, residual_keys, residual_values,
+        key_pos, residual_pos, ring_slot, query_pos, scaling, 0.0 if softcap is None else softcap,
+        -1 if sliding_window is None else sliding_window, score_gain, slots_cpu.REDUCE[gqa_reduce], need_mass,
+    )
+    columns = n_codes if ring_slot is not None else n_codes + residual_pos.shape[-1]
+    return DecodeAttention(
+        out.reshape(batch, q_heads, -1).to(query.dtype),
+        mass if need_mass else no_mass(batch, kv_heads, columns, query.device), lse.reshape(batch, q_heads),
     )
 
 

@@ -322,13 +322,16 @@ at::Tensor int4_values(const at::Tensor& probs, const at::Tensor& codes, const a
 
 // One decode step's attention over a layer's int4 code slots and its dense ring: the logits of both into one
 // [G, C + R] scratch row per (b, h) (L1/L2, never written to memory), the softmax and mass in place
-// (cpu_kernels.h), then PV over the codes (codes order, turned back to channel order) plus the ring.
+// (cpu_kernels.h), then PV over the codes (codes order, turned back to channel order) plus the ring. With
+// ring_slot (the code slot each ring entry overlays, -1 for none) those slots' code rows are hidden and the
+// entries' mass is added to theirs (mass [B, H, C]); without, the mass has C + R columns.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_attention(
     const at::Tensor& query_codes_in, const at::Tensor& query_in, const at::Tensor& key_codes,
     const at::Tensor& key_scale, const at::Tensor& key_zero, const at::Tensor& value_codes,
     const at::Tensor& value_scale, const at::Tensor& value_zero, const at::Tensor& ring_keys,
     const at::Tensor& ring_values, const at::Tensor& key_pos_in, const at::Tensor& ring_pos_in,
-    const at::Tensor& query_pos_in, double scale, double softcap, int64_t window,
+    const std::optional<at::Tensor>& ring_slot_in, const at::Tensor& query_pos_in, double scale, double softcap,
+    int64_t window,
     const std::optional<at::Tensor>& gain_in, int64_t reduce, bool need_mass) {
   check(query_codes_in, "query_codes", key_codes, key_scale, key_zero);
   check(query_codes_in, "query_codes", value_codes, value_scale, value_zero);
@@ -355,13 +358,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_attention(
     TORCH_CHECK(pos.dim() == 3 && pos.scalar_type() == at::kLong && pos.size(0) == B && pos.size(1) == H &&
                     pos.size(2) == slots,
                 name, " must be [B, H, ", slots, "] int64, got ", pos.sizes(), " ", pos.scalar_type());
+  at::Tensor ring_slot;
+  if (ring_slot_in.has_value()) {
+    ring_slot = ring_slot_in->contiguous();
+    TORCH_CHECK(ring_slot.dim() == 3 && ring_slot.scalar_type() == at::kLong && ring_slot.size(0) == B &&
+                    ring_slot.size(1) == H && ring_slot.size(2) == R,
+                "ring_slot must be [B, H, ", R, "] int64, got ", ring_slot.sizes(), " ", ring_slot.scalar_type());
+  }
+  const bool overlay = ring_slot.defined();  // the ring's entries overlay code slots: their mass goes there
+  const int64_t mass_columns = overlay ? C : N;
   const at::Tensor gain = evictlayers::checked_softmax_options(query_pos_in, B, gain_in, reduce, softcap);
   const at::Tensor query_codes = query_codes_in.contiguous(), query = query_in.contiguous(),
                    key_pos = key_pos_in.contiguous(), ring_pos = ring_pos_in.contiguous(),
                    query_pos = query_pos_in.contiguous();
   at::Tensor out = at::empty({B, H, G, 2 * Pv}, query.options());
   at::Tensor lse = at::empty({B, H, G}, query.options());
-  at::Tensor mass = at::empty({B, H, need_mass ? N : 0}, query.options());
+  at::Tensor mass = at::empty({B, H, need_mass ? mass_columns : 0}, query.options());
   const bool fast = chunked(key_codes, key_scale) && chunked(value_codes, value_scale);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, key_scale.scalar_type(), "int4_attention", [&] {
     using code_scale_t = scalar_t;
@@ -372,7 +384,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_attention(
       const int64_t probs_strides[4] = {0, 0, N, 1};
       const float* gains = gain.defined() ? gain.data_ptr<float>() : nullptr;
       at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
-        std::vector<float> logits(G * N), hidden(N), gained(gains ? N : 0), codes_out(G * 2 * Pv);
+        std::vector<float> logits(G * N), hidden(N), gained(gains ? N : 0), codes_out(G * 2 * Pv),
+            mass_row(overlay && need_mass ? N : 0);
         for (int64_t bh = begin; bh < end; ++bh) {
           const int64_t b = bh / H, h = bh % H, at_query = query_pos.data_ptr<int64_t>()[b];
           const Codes<code_scale_t> keys{key_codes.data_ptr<uint8_t>(), kcr, key_scale.data_ptr<code_scale_t>(), ksr,
@@ -384,6 +397,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_attention(
           const int64_t* entry_pos = ring_pos.data_ptr<int64_t>() + bh * R;
           for (int64_t c = 0; c < C; ++c) hidden[c] = evictlayers::hidden(code_pos[c], at_query, window);
           for (int64_t r = 0; r < R; ++r) hidden[C + r] = evictlayers::hidden(entry_pos[r], at_query, window);
+          const int64_t* overlaid = overlay ? ring_slot.data_ptr<int64_t>() + bh * R : nullptr;
+          if (overlay)  // a slot whose token is in the ring is attended there: its code row is stale
+            for (int64_t r = 0; r < R; ++r)
+              if (overlaid[r] >= 0 && overlaid[r] < C) hidden[overlaid[r]] = evictlayers::NEG_INF;
           const float* qc = query_codes.data_ptr<float>() + bh * G * 2 * P;
 #if EVICTLAYERS_AVX2
           if (fast)
@@ -393,9 +410,15 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_attention(
             logits_scalar(qc, keys, logits.data(), C, G, N);
           residual_logits(query.data_ptr<float>() + bh * G * 2 * P, ring_keys.data_ptr<scalar_t>(), rkr, b, h, R, 2 * P,
                       G, logits.data() + C, N);
+          float* mass_bh = mass.data_ptr<float>() + bh * mass_columns;
           evictlayers::rows_softmax(logits.data(), logits.data(), hidden.data(), G, N, scale, softcap,
                                     gains ? gains + b : nullptr, reduce, need_mass, lse.data_ptr<float>() + bh * G,
-                                    mass.data_ptr<float>() + bh * N, gained.data());
+                                    overlay ? mass_row.data() : mass_bh, gained.data());
+          if (overlay && need_mass) {
+            std::copy(mass_row.begin(), mass_row.begin() + C, mass_bh);
+            for (int64_t r = 0; r < R; ++r)
+              if (overlaid[r] >= 0 && overlaid[r] < C) mass_bh[overlaid[r]] += mass_row[C + r];
+          }
 #if EVICTLAYERS_AVX2
           if (fast)
             values_avx2(logits.data(), probs_strides, values, codes_out.data(), C, G);

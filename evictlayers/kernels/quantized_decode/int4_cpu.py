@@ -14,9 +14,11 @@ even channels, then the ``P`` high ones; byte ``p`` is in group ``p // run``, ``
 stored dtype (16-bit for the models' caches, any float type).
 
 ``int4_attention(query_codes, query, key codes/scale/zero, value codes/scale/zero, ring_keys, ring_values,
-key_pos, ring_pos, query_pos, scale, softcap, window, gain, reduce, need_mass)`` -> ``(out [B, H, G, Dv], lse
-[B, H, G], mass [B, H, C + R])`` is ``cpu.py``'s decode for an int4 cache with its dense ring (the backend
-signature's ``key_pos`` and ``residual_pos``): per (batch, KV head) the codes' logits (``int4_logits``' loops,
+key_pos, ring_pos, ring_slot, query_pos, scale, softcap, window, gain, reduce, need_mass)`` -> ``(out [B, H, G,
+Dv], lse [B, H, G], mass)`` is ``cpu.py``'s decode for an int4 cache with its dense ring. Without ``ring_slot`` it
+takes the backend signature's ``key_pos`` and ``residual_pos`` and the mass has ``C + R`` columns; with it (the
+code slot each ring entry overlays, ``QuantizedSlots``' layout) it hides those slots' code rows itself and adds
+the entries' mass to theirs (``[B, H, C]``), which saved the decode step the masking and folding around it. Per (batch, KV head) the codes' logits (``int4_logits``' loops,
 ``query_codes`` in the codes' order) and the ring's (``query`` in channel order) go into one scratch row of
 ``C + R`` floats, the decode's softmax and mass run on it in place (``cpu_kernels.h``, as ``slot_softmax`` does),
 and PV over the codes (``int4_values``' loops, turned back to channel order) and the ring makes the output.
@@ -121,15 +123,16 @@ torch.library.register_fake(
 _LIB.define(
     "int4_attention(Tensor query_codes, Tensor query, Tensor key_codes, Tensor key_scale, Tensor key_zero, "
     "Tensor value_codes, Tensor value_scale, Tensor value_zero, Tensor ring_keys, Tensor ring_values, "
-    "Tensor key_pos, Tensor ring_pos, Tensor query_pos, float scale, float softcap, int window, Tensor? gain, "
-    "int reduce, bool need_mass) -> (Tensor, Tensor, Tensor)"
+    "Tensor key_pos, Tensor ring_pos, Tensor? ring_slot, Tensor query_pos, float scale, float softcap, int window, "
+    "Tensor? gain, int reduce, bool need_mass) -> (Tensor, Tensor, Tensor)"
 )
 
 
-def _attention_shapes(query_codes, query, key_codes, key_scale, key_zero, value_codes, *rest):
-    ring_keys, need_mass = rest[2], rest[-1]
+def _attention_shapes(query_codes, query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero,
+                      ring_keys, ring_values, key_pos, ring_pos, ring_slot, query_pos, scale, softcap, window, gain,
+                      reduce, need_mass):
     batch, heads, slots = key_codes.shape[:3]
-    held = slots + ring_keys.shape[2]
+    held = slots if ring_slot is not None else slots + ring_keys.shape[2]
     return (
         query.new_empty((batch, heads, query.shape[2], 2 * value_codes.shape[3])),
         query.new_empty((batch, heads, query.shape[2])),
