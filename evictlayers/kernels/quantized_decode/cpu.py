@@ -16,9 +16,10 @@ attending. Here:
   block's buffer, ``1 / SLOT_BLOCKS`` of a dense copy, stays in the CPU caches where the whole copy went through
   memory.
 
-Either way the logits (``[B, H_kv, G, C + R]`` float32, small) are concatenated and go through the dense
-decode's softmax (``decode/slots_cpu.py``'s C++ op where the dense slot ops are built, else ``decode/naive.py``'s
-``softmax_mass``), so masking, softcap, score gain and the GQA reduction cannot drift from the dense path.
+Outside the one op, either way the logits (``[B, H_kv, G, C + R]`` float32, small) are concatenated and go
+through the dense decode's softmax (``decode/slots_cpu.py``'s C++ op where the dense slot ops are built, else
+``decode/naive.py``'s ``softmax_mass``), so masking, softcap, score gain and the GQA reduction cannot drift from
+the dense path.
 
 How a block is unpacked, and why:
 

@@ -18,13 +18,13 @@ key_pos, ring_pos, ring_slot, query_pos, scale, softcap, window, gain, reduce, n
 Dv], lse [B, H, G], mass)`` is ``cpu.py``'s decode for an int4 cache with its dense ring. Without ``ring_slot`` it
 takes the backend signature's ``key_pos`` and ``residual_pos`` and the mass has ``C + R`` columns; with it (the
 code slot each ring entry overlays, ``QuantizedSlots``' layout) it hides those slots' code rows itself and adds
-the entries' mass to theirs (``[B, H, C]``), which saved the decode step the masking and folding around it. Per (batch, KV head) the codes' logits (``int4_logits``' loops,
-``query_codes`` in the codes' order) and the ring's (``query`` in channel order) go into one scratch row of
-``C + R`` floats, the decode's softmax and mass run on it in place (``cpu_kernels.h``, as ``slot_softmax`` does),
-and PV over the codes (``int4_values``' loops, turned back to channel order) and the ring makes the output.
-Against the ops one by one it writes no logits or probabilities to memory, concatenates nothing, and is one
-call instead of five (``docs/benchmarks.md``, "Decode throughput", has the decode against dense H2O). It has
-no backward: a gradient goes through the two ops.
+the entries' mass to theirs (``[B, H, C]``), which saved the decode step the masking and folding around it. Per
+(batch, KV head) the codes' logits (``int4_logits``' loops, ``query_codes`` in the codes' order) and the ring's
+(``query`` in channel order) go into one scratch row of ``C + R`` floats, the decode's softmax and mass run on it
+in place (``cpu_kernels.h``, as ``slot_softmax`` does), and PV over the codes (``int4_values``' loops, turned back
+to channel order) and the ring makes the output. Against the ops one by one it writes no logits or probabilities
+to memory, concatenates nothing, and is one call instead of five (``docs/benchmarks.md``, "Decode throughput", has
+the decode against dense H2O). It has no backward: a gradient goes through the two ops.
 
 Why a C++ kernel. DESIGN.md asks the quantised decode to dequantise in registers. On CPU, inductor's code
 for a reduction fused with the unpacking was ~5x slower than unpack-then-matmul, and unpack-then-matmul
