@@ -182,7 +182,7 @@ def quantized_ring_attention(
     ring_pos = torch.where(live, slot_pos.gather(2, target), -1)
     if decode_backend(query) == "cpu" and whole_step_serves(query, packed, ring_keys, ring_values):
         return int4_decode_attention(query, packed, ring_keys, ring_values, query_pos, slot_pos, ring_pos, ring_slot,
-                                     **_decode_options(options))
+                                     **options)
     dense = torch.zeros_like(slot_pos).scatter_add_(2, target, live.long()) > 0
     attention = quantized_decode_attention(
         query, packed, ring_keys, ring_values, query_pos, slot_pos.masked_fill(dense, -1), ring_pos, **options
@@ -192,12 +192,6 @@ def quantized_ring_attention(
     if options.get("need_mass", True):
         codes_mass = codes_mass.scatter_add(2, target, torch.where(live, ring_mass, 0.0))
     return attention._replace(mass=codes_mass)
-
-
-def _decode_options(options: dict) -> dict:
-    """The decode keywords with their defaults filled in (a backend called directly takes every one)."""
-    defaults = {"softcap": None, "sliding_window": None, "gqa_reduce": "sum", "score_gain": None, "need_mass": True}
-    return {**defaults, **options}
 
 
 def prefill_attention(

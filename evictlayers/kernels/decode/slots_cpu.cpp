@@ -20,8 +20,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <cmath>
-#include <limits>
 #include <optional>
 #include <vector>
 
@@ -29,7 +27,6 @@
 
 namespace {
 
-using evictlayers::NEG_INF;
 using evictlayers::Rows;
 
 template <typename kv_t>

@@ -208,11 +208,11 @@ def int4_decode_attention(
     ring_slot: torch.Tensor | None,
     *,
     scaling: float,
-    softcap: float | None,
-    sliding_window: int | None,
-    gqa_reduce: str,
-    score_gain: torch.Tensor | None,
-    need_mass: bool,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    gqa_reduce: str = "sum",
+    score_gain: torch.Tensor | None = None,
+    need_mass: bool = True,
 ) -> DecodeAttention:
     """The whole step in ``int4_attention`` (``whole_step_serves`` must hold); the arguments are
     ``quantized_decode_attention_with_mass_cpu``'s, plus ``ring_slot`` ``[B, H_kv, R]`` int64: ``None`` for that
