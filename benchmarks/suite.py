@@ -14,11 +14,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import cpu_kernel, decode, kernel, memory, overhead, prefill, report
+from benchmarks import cpu_kernel, decode, kernel, memory, overhead, prefill, prefill_kernel, report
 from benchmarks.common import DEFAULT_MODEL, MODELS, RESULTS_DIR, Context, Settings, cpu_count
 
 # the order they run in: the quick ones first, so a broken setup shows within seconds
-FAMILIES = {module.NAME: module for module in (memory, overhead, decode, prefill, cpu_kernel, kernel)}
+FAMILIES = {module.NAME: module for module in (memory, overhead, decode, prefill, cpu_kernel, kernel, prefill_kernel)}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -59,9 +59,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def machine_slug(model: str = DEFAULT_MODEL) -> str:
-    """``cpu-<cores>core``, ``-<model>`` after it for another model than the default: the results of
-    different machines and models go to different files."""
+    """``cpu-<cores>core`` (``cuda-<GPU name>``, e.g. ``cuda-nvidia-h200``, on a machine with CUDA), ``-<model>``
+    after it for another model than the default: the results of different machines and models go to different
+    files."""
     slug = f"cpu-{cpu_count()}core"
+    if torch.cuda.is_available():
+        slug = "cuda-" + "-".join(torch.cuda.get_device_name().lower().replace("_", " ").split())
     return slug if model == DEFAULT_MODEL else f"{slug}-{model}"
 
 
@@ -181,7 +184,8 @@ def run(settings: Settings, names: list[str]) -> dict:
 
 def subject_of(family, context: Context) -> dict:
     """``{"model": name}`` of the model a family measured (``memory``, ``decode``, ``prefill``); ``{}``
-    for those that never load it (``overhead``, ``cpu_kernel``, ``kernel``: random tensors of SmolLM2's shapes)."""
+    for those that never load it (``overhead``, ``cpu_kernel``, ``kernel``, ``prefill_kernel``: random tensors of
+    SmolLM2's shapes)."""
     return {"model": context.subject.name} if getattr(family, "USES_MODEL", False) else {}
 
 

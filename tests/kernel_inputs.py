@@ -70,22 +70,30 @@ def poisoned_empty():
         torch.empty = real
 
 
-def nan_lse(query):
+def nan_lse(query, device=None):
     """A NaN-filled ``lse_out`` buffer for ``query`` ``[B, H_q, Q, D]``: every element must be written."""
-    return torch.full(query.shape[:3], float("nan"), dtype=torch.float32)
+    return torch.full(query.shape[:3], float("nan"), dtype=torch.float32, device=device)
 
 
-def compare_prefill(kernel, inputs, *, out_atol=1e-5, mass_atol=1e-5, rtol=1e-4, **options):
+def compare_prefill(kernel, inputs, *, out_atol=1e-5, mass_atol=1e-5, rtol=1e-4, device=None, reference_dtype=None,
+                    **options):
     """Run ``kernel`` and the naive reference on ``inputs`` with ``options``, both with a NaN-filled
     ``lse_out`` and the kernel's own allocations poisoned; assert out, mass, rows and lse agree.
 
+    ``device``: where the kernel runs (its inputs and options are moved there; the reference runs on the
+    CPU). ``reference_dtype``: the dtype the reference takes the floating-point inputs in (default theirs).
     With ``need_mass=False`` in ``options`` the kernel's mass must be exactly zero and everything
-    else must match the reference run with the mass. Returns the kernel's result."""
+    else must match the reference run with the mass. Returns the kernel's result, on the CPU."""
     query = inputs[0]
     need_mass = options.pop("need_mass", True)
-    got_lse, want_lse = nan_lse(query), nan_lse(query)
+    moved = lambda t: t.to(device) if isinstance(t, torch.Tensor) and device is not None else t  # noqa: E731
+    got_lse, want_lse = nan_lse(query, device), nan_lse(query)
     with poisoned_empty():
-        got = kernel(*inputs, **options, lse_out=got_lse, need_mass=need_mass)
+        got = kernel(*map(moved, inputs), **{k: moved(v) for k, v in options.items()}, lse_out=got_lse,
+                     need_mass=need_mass)
+    got, got_lse = type(got)(*(t.cpu() for t in got)), got_lse.cpu()
+    if reference_dtype is not None:
+        inputs = [t.to(reference_dtype) if t.is_floating_point() else t for t in inputs]
     want = attention_with_mass(*inputs, **options, lse_out=want_lse)
     assert got.out.dtype == query.dtype and got.mass.dtype == got.rows.dtype == torch.float32
     if not need_mass:

@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # benchmarks/ sits beside the package, not inside it
 
 from benchmarks import report  # noqa: E402
-from benchmarks.suite import FAMILIES, main  # noqa: E402
+from benchmarks.suite import FAMILIES, machine_slug, main  # noqa: E402
 
 METRIC_KEYS = {"value", "samples", "unit", "higher_is_better", "baseline", "ratio"}
 
@@ -54,7 +54,7 @@ def test_every_benchmark_ran_or_says_why_not(quick_run):
     for name, result in results.items():
         assert result["quick"] is True
         if result["status"] == "skipped":
-            assert name == "kernel" and result["reason"]  # CUDA only
+            assert name in ("kernel", "prefill_kernel") and result["reason"]  # CUDA only
             continue
         assert result["status"] == "ok" and result["rows"], name
         for row in result["rows"]:
@@ -162,17 +162,16 @@ def gemma_quick_run(tmp_path_factory):
 
 def test_default_model_keeps_the_machine_file_name_and_records_the_model(quick_run):
     out, returned = quick_run
-    assert returned["model"] == "default" and "-" not in returned["machine"].removeprefix("cpu-")
+    assert returned["model"] == "default" and returned["machine"] == machine_slug()
     for name in ("memory", "decode", "prefill"):
         assert returned["benchmarks"][name]["model"] == "tiny-random-llama"
-    for name in ("overhead", "cpu_kernel", "kernel"):  # random tensors of SmolLM2's shapes: no model to name
+    # random tensors of SmolLM2's shapes: no model to name
+    for name in ("overhead", "cpu_kernel", "kernel", "prefill_kernel"):
         assert "model" not in returned["benchmarks"][name]
     assert "on tiny-random-llama" in (out / f"{returned['machine']}.md").read_text()
 
 
 def test_another_model_writes_its_own_files_and_names_itself(gemma_quick_run):
-    from benchmarks.suite import machine_slug
-
     out, returned = gemma_quick_run
     assert returned["machine"] == machine_slug("gemma-3-270m") == machine_slug() + "-gemma-3-270m"
     assert sorted(p.name for p in out.iterdir()) == [f"{returned['machine']}.json", f"{returned['machine']}.md"]

@@ -119,6 +119,9 @@ def test_rejects_bad_inputs_with_the_argument_named():
         ((query, key, value, query_pos, key_pos), {"lse_out": torch.empty(2, 6, 7, dtype=torch.float64)},
          "lse_out must be a float32 tensor of shape \\(2, 6, 7\\)"),
         ((query, key, value, query_pos, key_pos), {"keep_rows": -1}, "keep_rows \\(-1\\) must be >= 0"),
+        # another device ("meta" stands in for a GPU): refused before a kernel reads a pointer
+        ((query, key, value.to("meta"), query_pos, key_pos), {"score_gain": torch.ones(2, 7, device="meta")},
+         "value, score_gain must be on the query's device \\(cpu\\)"),
     ]
     for args, extra, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -235,6 +235,9 @@ def test_rejects_codes_that_do_not_fit():
         (packed._replace(bits=3), key_pos, "bits must be 4 or 8"),
         (packed._replace(group=5), key_pos, "group 5 must divide the head dims 32 and 32"),
         (packed, key_pos[:, :1], "key_pos has shape \\(3, 1, 20\\)"),
+        # another device ("meta" stands in for a GPU): refused before a kernel reads a pointer
+        (packed._replace(value_codes=packed.value_codes.to("meta")), key_pos.to("meta"),
+         "value_codes, key_pos must be on the query's device \\(cpu\\)"),
     ]
     for bad, positions, message in cases:
         with pytest.raises(ValueError, match=message):

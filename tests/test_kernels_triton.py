@@ -1,7 +1,12 @@
-"""The Triton kernels against their PyTorch references, on the Triton CPU interpreter.
+"""The Triton kernels against their PyTorch references: compiled on a CUDA GPU where there is one, else on
+the Triton CPU interpreter.
 
-``TRITON_INTERPRET=1`` must be set before the kernels are decorated (``triton.jit`` reads it then), so it
-is set here, before the kernel modules are imported. The interpreter is slow: shapes are small and the
+Without CUDA, ``TRITON_INTERPRET=1`` must be set before the kernels are decorated (``triton.jit`` reads it
+then), so it is set here, before the kernel modules are imported. Inputs are built on the CPU and moved to
+the kernels' device; the references run on the CPU. bfloat16 cases run on CUDA only: the interpreter's
+``tl.dot`` is wrong for bfloat16, so there the kernels upcast and the case would test nothing new. Their
+reference takes the same bfloat16 values in float32 (a bfloat16 reference rounds its logits to 8 bits).
+The interpreter is slow: shapes are small and the
 parametrisation covers each feature (head dims 64/80, value heads of another size, odd slot counts,
 GQA groups 1/2/3/4, the three reductions, gain, softcap, window, kept rows, the mass skipped,
 float32/float16; for the quantised decode int4/int8 codes, group sizes, a residual or none) in a handful of
@@ -16,11 +21,14 @@ import sys
 import pytest
 import torch
 
-os.environ["TRITON_INTERPRET"] = "1"
+CUDA = torch.cuda.is_available()
+if not CUDA:
+    os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 _loaded = sys.modules.get("evictlayers.kernels.decode.triton")
-if _loaded is not None and type(_loaded._split_kernel).__name__ != "InterpretedFunction":
+if not CUDA and _loaded is not None and type(_loaded._split_kernel).__name__ != "InterpretedFunction":
     pytest.skip("the Triton kernels were imported before TRITON_INTERPRET=1 was set", allow_module_level=True)
+DEVICE = torch.device("cuda" if CUDA else "cpu")
 
 from evictlayers.kernels import dispatch  # noqa: E402
 from evictlayers.kernels.decode.naive import decode_attention_with_mass  # noqa: E402
@@ -34,9 +42,47 @@ from tiny_models import single_thread  # noqa: E402,F401 (autouse fixture)
 
 pytestmark = [
     pytest.mark.triton,
+    # a CUDA GPU computes float32 products in TF32 unless told otherwise: the references must not
+    pytest.mark.usefixtures("exact_float32"),
     # the interpreter evaluates both sides of tl.where with numpy: -inf - -inf in the unused side warns
     pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning"),
 ]
+
+
+BF16_NEEDS_CUDA = pytest.mark.skipif(not CUDA, reason="bfloat16 tl.dot is wrong on the Triton CPU interpreter")
+
+
+@pytest.fixture
+def exact_float32():
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def to_device(value):
+    """``value`` (a tensor, ``None``, or a tuple/namedtuple/dict of them) on the kernels' device."""
+    if isinstance(value, torch.Tensor):
+        return value.to(DEVICE)
+    if isinstance(value, dict):
+        return {name: to_device(v) for name, v in value.items()}
+    if isinstance(value, tuple):
+        moved = [to_device(v) for v in value]
+        return type(value)(*moved) if hasattr(value, "_fields") else tuple(moved)
+    return value
+
+
+def on_cpu(result):
+    """A kernel's result (a namedtuple of tensors) on the CPU."""
+    return type(result)(*(t.cpu() for t in result))
+
+
+def reference_inputs(inputs, dtype):
+    """What the reference attends over: the inputs themselves, except that bfloat16 tensors are taken in
+    float32 (the same values; a bfloat16 reference would round its logits to 8 bits of mantissa)."""
+    if dtype != torch.bfloat16:
+        return inputs
+    return [t.float() if isinstance(t, torch.Tensor) and t.dtype == torch.bfloat16 else t for t in inputs]
 
 
 def slots(g, batch, kv_heads, n_slots, older, new=0):
@@ -52,8 +98,11 @@ def tensors(g, dtype, *shapes):
     return [torch.randn(*shape, generator=g).to(dtype) for shape in shapes]
 
 
+OUT_ATOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+
+
 def assert_matches(got, want, dtype, mass_atol):
-    atol = 1e-5 if dtype == torch.float32 else 2e-3
+    atol = OUT_ATOL[dtype]
     for name, a, b in zip(want._fields, got, want):
         assert not a.isnan().any(), f"{name} has NaN (an element never written?)"
         tol = atol if name == "out" else mass_atol
@@ -69,6 +118,8 @@ DECODE_CASES = [
     ((64, 64), 100, 3, torch.float16, "max", True, 5.0, 30),
     ((80, 80), 100, 1, torch.float16, "mean", False, None, 25),
     ((80, 96), 257, 3, torch.float32, "sum", True, 3.0, 100),
+    ((64, 64), 257, 3, torch.bfloat16, "sum", True, None, 40),
+    ((128, 128), 100, 4, torch.bfloat16, "max", False, 5.0, None),
 ]
 
 
@@ -84,9 +135,13 @@ def case_id(case):
     return "-".join([f"d{head_dim}", f"n{size}", f"g{groups}", str(dtype).removeprefix("torch."), reduce, *flags])
 
 
-@pytest.mark.parametrize(
-    "dims,n_slots,groups,dtype,reduce,with_gain,softcap,window", DECODE_CASES, ids=map(case_id, DECODE_CASES)
-)
+def params(cases, ids=case_id):
+    """``cases`` as pytest params named by ``ids``, the bfloat16 ones marked to need CUDA."""
+    return [pytest.param(*case, id=ids(case), marks=[BF16_NEEDS_CUDA] if torch.bfloat16 in case else [])
+            for case in cases]
+
+
+@pytest.mark.parametrize("dims,n_slots,groups,dtype,reduce,with_gain,softcap,window", params(DECODE_CASES))
 def test_decode_matches_reference(dims, n_slots, groups, dtype, reduce, with_gain, softcap, window):
     head_dim, v_dim = dims
     g = torch.Generator().manual_seed(n_slots + groups)
@@ -98,12 +153,13 @@ def test_decode_matches_reference(dims, n_slots, groups, dtype, reduce, with_gai
     query_pos = torch.tensor([2 * n_slots, -1, n_slots // 4])
     gain = torch.tensor([1.7, 0.5, 0.0]) if with_gain else None  # gain 0: uniform over the visible slots
     kwargs = dict(scaling=head_dim**-0.5, softcap=softcap, sliding_window=window, gqa_reduce=reduce, score_gain=gain)
+    inputs = (query, key, value, query_pos, key_pos)
     with poisoned_empty():
-        got = decode_attention_with_mass_triton(query, key, value, query_pos, key_pos, **kwargs)
-    want = decode_attention_with_mass(query, key, value, query_pos, key_pos, **kwargs)
+        got = on_cpu(decode_attention_with_mass_triton(*to_device(inputs), **to_device(kwargs)))
+    want = decode_attention_with_mass(*reference_inputs(inputs, dtype), **kwargs)
     assert got.out.dtype == dtype and got.mass.dtype == torch.float32
     # the float16 reference rounds its logits to float16 before the softmax; the kernel keeps float32
-    assert_matches(got, want, dtype, mass_atol=1e-5 if dtype == torch.float32 else 1e-3)
+    assert_matches(got, want, dtype, mass_atol=1e-3 if dtype == torch.float16 else 1e-5)
     assert (got.out[1] == 0).all() and (got.mass[1] == 0).all()
 
 
@@ -113,8 +169,9 @@ def test_decode_without_the_mass_keeps_output_and_lse():
     query, key, value = tensors(g, torch.float32, (2, 6, 64), (2, 2, 70, 64), (2, 2, 70, 64))
     key_pos, query_pos = slots(g, 2, 2, 70, 70), torch.tensor([140, -1])
     kwargs = dict(scaling=0.125, sliding_window=50, score_gain=torch.tensor([1.5, 0.5]))
+    inputs = (query, key, value, query_pos, key_pos)
     with poisoned_empty():
-        got = decode_attention_with_mass_triton(query, key, value, query_pos, key_pos, **kwargs, need_mass=False)
+        got = on_cpu(decode_attention_with_mass_triton(*to_device(inputs), **to_device(kwargs), need_mass=False))
     want = decode_attention_with_mass(query, key, value, query_pos, key_pos, **kwargs)
     assert (got.mass == 0).all() and got.mass.shape == want.mass.shape
     assert_matches(got._replace(mass=want.mass), want, torch.float32, mass_atol=1e-5)
@@ -126,13 +183,19 @@ QUANTIZED_CASES = [
     (100, 0, 3, (80, 48), 4, 8, torch.float32, 4.0, 60, "max", True, True),
     (57, 17, 4, (64, 96), 8, 32, torch.float16, None, 40, "mean", True, True),
     (41, 6, 2, (32, 32), 4, 1, torch.float16, 3.0, None, "sum", True, False),
+    (200, 13, 3, (64, 64), 4, 32, torch.bfloat16, None, None, "sum", True, True),
+    (73, 9, 4, (128, 128), 8, 32, torch.bfloat16, 5.0, 50, "max", False, True),
 ]
 
 
-@pytest.mark.parametrize(
-    "case", QUANTIZED_CASES,
-    ids=[f"c{c[0]}-r{c[1]}-d{c[3][0]}x{c[3][1]}-int{c[4]}-group{c[5]}-{str(c[6])[6:]}" for c in QUANTIZED_CASES],
-)
+def quantized_case_id(case):
+    """``c37-r5-d64x64-int4-group16-float32``."""
+    n_codes, n_residual, _, (head_dim, v_dim), bits, group, dtype, *_ = case
+    return f"c{n_codes}-r{n_residual}-d{head_dim}x{v_dim}-int{bits}-group{group}-{str(dtype)[6:]}"
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=p.id, marks=p.marks)
+                                  for c, p in zip(QUANTIZED_CASES, params(QUANTIZED_CASES, quantized_case_id))])
 def test_quantized_decode_matches_reference(case):
     """The codes dequantised in registers against dequantise-then-attend, with a residual after the codes
     (or none), padding and empty slots; ``need_mass=False`` must leave the mass at zero."""
@@ -143,13 +206,16 @@ def test_quantized_decode_matches_reference(case):
     kwargs = dict(scaling=head_dim**-0.5, softcap=softcap, sliding_window=window, gqa_reduce=reduce,
                   score_gain=torch.tensor([1.7, 0.5, 0.0]) if with_gain else None)
     with poisoned_empty():
-        got = quantized_decode_attention_with_mass_triton(*inputs, **kwargs, need_mass=need_mass)
-    want = quantized_decode_attention_with_mass(*inputs, **kwargs)
+        got = on_cpu(quantized_decode_attention_with_mass_triton(*to_device(inputs), **to_device(kwargs),
+                                                                 need_mass=need_mass))
+    # the kernel dequantises into the residual's dtype, a float32 reference into float32: with bfloat16 the
+    # codes' rounding moves the logits by ~1e-2 of their size, hence the wider mass tolerance
+    want = quantized_decode_attention_with_mass(*reference_inputs(inputs, dtype), **kwargs)
     assert got.out.dtype == dtype and got.mass.shape == (3, 2, n_codes + n_residual)
     if not need_mass:
         assert (got.mass == 0).all()
         got = got._replace(mass=want.mass)
-    assert_matches(got, want, dtype, mass_atol=1e-5 if dtype == torch.float32 else 1e-3)
+    assert_matches(got, want, dtype, mass_atol={torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}[dtype])
     assert (got.out[1] == 0).all()
 
 
@@ -162,14 +228,13 @@ PREFILL_CASES = [
     ((64, 96), (0, 37), 3, torch.float16, "sum", True, 4.0, None, 1, False),
     ((80, 80), (30, 19), 1, torch.float16, "mean", True, None, None, 19, True),
     ((64, 64), (10, 21), 2, torch.float32, "sum", True, None, 7, 0, False),
+    ((64, 64), (40, 90), 3, torch.bfloat16, "sum", True, None, None, 4, True),
+    ((128, 128), (0, 70), 4, torch.bfloat16, "max", False, 5.0, 30, 0, True),
 ]
 
 
-@pytest.mark.parametrize(
-    "dims,split,groups,dtype,reduce,with_gain,softcap,window,keep_rows,need_mass",
-    PREFILL_CASES,
-    ids=map(case_id, PREFILL_CASES),
-)
+@pytest.mark.parametrize("dims,split,groups,dtype,reduce,with_gain,softcap,window,keep_rows,need_mass",
+                         params(PREFILL_CASES))
 def test_prefill_matches_reference(dims, split, groups, dtype, reduce, with_gain, softcap, window, keep_rows,
                                    need_mass):
     """A (chunked) prefill: the new tokens' slots come after older, unordered ones; row 1 is left-padded.
@@ -180,29 +245,33 @@ def test_prefill_matches_reference(dims, split, groups, dtype, reduce, with_gain
                             dtype=dtype)
     gain = torch.rand(2, new, generator=torch.Generator().manual_seed(new)) * 2 if with_gain else None
     got = compare_prefill(
-        attention_with_mass_triton, inputs, out_atol=1e-5 if dtype == torch.float32 else 2e-3, mass_atol=1e-4,
-        rtol=1e-3, scaling=head_dim**-0.5, softcap=softcap, sliding_window=window, gqa_reduce=reduce,
-        score_gain=gain, keep_rows=keep_rows, need_mass=need_mass,
+        attention_with_mass_triton, inputs, out_atol=OUT_ATOL[dtype], mass_atol=1e-4, rtol=1e-3, device=DEVICE,
+        reference_dtype=torch.float32 if dtype == torch.bfloat16 else None, scaling=head_dim**-0.5, softcap=softcap,
+        sliding_window=window, gqa_reduce=reduce, score_gain=gain, keep_rows=keep_rows, need_mass=need_mass,
     )
     assert got.rows.shape == (2, 2, min(keep_rows, new), older + new)
     assert (got.out[1, :, :3] == 0).all()
 
 
-def test_dispatcher_runs_triton_on_cpu_under_the_interpreter(monkeypatch):
+def test_dispatcher_runs_triton_when_asked(monkeypatch):
+    """``EVICTLAYERS_KERNELS=triton``: the Triton kernels serve CUDA tensors, and CPU tensors under the
+    interpreter."""
     g = torch.Generator().manual_seed(1)
-    query, key, value = tensors(g, torch.float32, (1, 2, 1, 16), (1, 1, 20, 16), (1, 1, 20, 16))
-    key_pos = slots(g, 1, 1, 20, 20)
-    query_pos = torch.tensor([[30]])
+    inputs = tensors(g, torch.float32, (1, 2, 1, 16), (1, 1, 20, 16), (1, 1, 20, 16))
+    inputs += [torch.tensor([[30]]), slots(g, 1, 1, 20, 20)]
+    query, key, value, query_pos, key_pos = to_device(tuple(inputs))
     monkeypatch.setattr(dispatch, "_requested", dispatch._requested)  # restored after the test
     monkeypatch.setenv(dispatch.ENV_VAR, "triton")
     dispatch.reload_kernel_choice()
     # a strided lse_out (every other element of a buffer) is filled too
-    lse, want_lse = torch.full((1, 2, 2), float("nan"))[:, :, :1], torch.empty(1, 2, 1)
+    lse, want_lse = torch.full((1, 2, 2), float("nan"), device=DEVICE)[:, :, :1], torch.empty(1, 2, 1)
+    assert dispatch.prefill_backend(query) == dispatch.decode_backend(query) == "triton"
     got = dispatch.prefill_attention(query, key, value, query_pos, key_pos, scaling=0.25, keep_rows=1, lse_out=lse)
-    want = attention_with_mass(query, key, value, query_pos, key_pos, scaling=0.25, keep_rows=1, lse_out=want_lse)
-    assert_matches(got, want, torch.float32, mass_atol=1e-5)
+    want = attention_with_mass(*inputs, scaling=0.25, keep_rows=1, lse_out=want_lse)
+    assert_matches(on_cpu(got), want, torch.float32, mass_atol=1e-5)
     assert not lse.is_contiguous()
-    torch.testing.assert_close(lse, want_lse)
+    torch.testing.assert_close(lse.cpu(), want_lse)
     got = dispatch.decode_attention(query[:, :, 0], key, value, query_pos[:, 0], key_pos, scaling=0.25)
+    query, key, value, query_pos, key_pos = inputs
     want = decode_attention_with_mass(query[:, :, 0], key, value, query_pos[:, 0], key_pos, scaling=0.25)
-    assert_matches(got, want, torch.float32, mass_atol=1e-5)
+    assert_matches(on_cpu(got), want, torch.float32, mass_atol=1e-5)

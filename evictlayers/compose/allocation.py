@@ -23,13 +23,13 @@ class Allocation(Component):
 
     def layer_budgets(self, budget: torch.Tensor, num_layers: int, sliding: frozenset[int] = frozenset()) -> torch.Tensor:
         """``[L, B]`` int64 budgets: ``budget`` ``[B]`` per layer on average, summing to ``budget * L``."""
-        ideal = self.weights(num_layers, sliding)[:, None] * budget.double()[None, :]
+        ideal = self.weights(num_layers, sliding).to(budget.device)[:, None] * budget.double()[None, :]
         floor = ideal.floor().long()
         short = budget * num_layers - floor.sum(0)  # [B] tokens still to hand out
         # largest remainders first; ties go to the later layer (stable order on the reversed index)
         order = (ideal - floor).flip(0).argsort(dim=0, descending=True, stable=True)
         order = num_layers - 1 - order
-        bonus = (torch.arange(num_layers)[:, None] < short[None, :]).long()
+        bonus = (torch.arange(num_layers, device=budget.device)[:, None] < short[None, :]).long()
         return floor.scatter_add(0, order, bonus)
 
 

@@ -400,6 +400,12 @@ class SlotStore:
         if self.filled is not None and bool(real.all()):
             return self._decode_in_order(query, key, value, **attention_kwargs)
         self.filled = None
+        if self.compile and key.is_cuda and not self.kv.compiles_on_cuda:
+            raise CompileError(
+                f"evictlayers does not compile the decode step of layer {self.layer_idx} on CUDA with "
+                f"{self.policy.storage!r}: inductor's build of it gives other logits than the same step run "
+                "eagerly. Run it with compile=False (the Triton kernels still attend from the codes)"
+            )
         step = compiled_decode_step() if self.compile else decode_step
         table = None
         if self.policy.positions == "rolling":  # ranks stay below the capacity

@@ -40,6 +40,7 @@ def block_size(n: int, lo: int = 16) -> int:
 @triton.jit
 def soft_cap(x, cap):
     """Gemma2's ``tanh(x / cap) * cap``, with tanh written through exp (saturates cleanly at +-1)."""
+    cap = tl.cast(cap, tl.float32)  # see masked_logits
     return (1.0 - 2.0 / (tl.exp(2.0 * x / cap) + 1.0)) * cap
 
 
@@ -62,7 +63,9 @@ def masked_logits(q, k, seen, scaling, softcap, HAS_SOFTCAP: tl.constexpr, UPCAS
     if UPCAST:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
-    x = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scaling
+    # a float argument arrives as float64 where torch.compile passes it as a symbolic float: without the cast
+    # the logits, and every running max and sum a loop carries from them, would change type in the loop
+    x = tl.dot(q, tl.trans(k), input_precision=PRECISION) * tl.cast(scaling, tl.float32)
     if HAS_SOFTCAP:
         x = soft_cap(x, softcap)
     return tl.where(seen, x, float("-inf"))

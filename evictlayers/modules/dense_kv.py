@@ -3,7 +3,8 @@
 A storage owns *how* a layer's slots hold their keys and values; the slot store owns *where* a token
 lives (DESIGN.md "Storage and what eviction does with a token"). Every storage builds slot objects with
 the same interface (``write``, ``attend``, ``dense``, ``append``, ``gather``, ``grow``,
-``index_select_batch``, ``nbytes``, and ``free_dense``: whether ``dense`` costs nothing), so the store,
+``index_select_batch``, ``nbytes``, ``free_dense``: whether ``dense`` costs nothing, and ``compiles_on_cuda``:
+whether its decode step may run under ``torch.compile`` on a GPU), so the store,
 its compiled decode step and eviction never look inside: ``QuantizedKV`` is the other one.
 """
 
@@ -28,6 +29,7 @@ class DenseSlots:
     """One layer's keys and values, ``[B, H, C, D]`` and ``[B, H, C, Dv]``, addressed by slot."""
 
     free_dense = True  # dense() is the tensors held, no copy
+    compiles_on_cuda = True
 
     def __init__(self, keys: torch.Tensor, values: torch.Tensor):
         self.keys, self.values = keys, values

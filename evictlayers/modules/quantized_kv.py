@@ -166,6 +166,9 @@ class QuantizedSlots:
     """
 
     free_dense = False  # dense() dequantises a copy: the decode step asks for it only when a scorer reads it
+    # inductor's CUDA build of this step computed other logits than the same step run eagerly (on an H200, torch
+    # 2.11: off from the first step; eager and the aot_eager backend matched the CPU), so the store refuses it
+    compiles_on_cuda = False
 
     def __init__(self, config: QuantizedKV, dtype: torch.dtype, **tensors: torch.Tensor):
         self.config, self.dtype = config, dtype

@@ -1,0 +1,71 @@
+"""``prefill_kernel`` (CUDA only): the prefill attention kernel, with and without the mass, against SDPA.
+
+A whole causal prefill of one layer of SmolLM2's shape (9 query heads, 3 KV heads, head dim 64, bfloat16),
+per prompt length and batch:
+
+- ``sdpa``: ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``, what transformers' default
+  path runs (a flash kernel on a GPU); baseline of ``time_us``;
+- ``prefill_no_mass``: ``evictlayers.kernels.dispatch.prefill_attention`` with ``need_mass=False`` (what a
+  policy that reads no mass at prefill runs);
+- ``prefill_mass``: the same with every key's probability mass, what H2O, AhaKV and TOVA score with.
+
+``tflop_per_s`` counts the two causal products (``2 * 2 * B * H_q * n^2 / 2 * D``) over the time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.common import Case, Context, metric, row, timed_blocks
+
+NAME = "prefill_kernel"
+DEFAULT_REPEATS = 5
+Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
+DTYPE = torch.bfloat16
+CONFIGS = ("sdpa", "prefill_no_mass", "prefill_mass")
+
+
+def sizes(quick: bool) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
+    """(prompt lengths, batch sizes, warmup, calls per block)."""
+    return ((256,), (1,), 2, 3) if quick else ((8192, 16384, 65536), (1,), 3, 10)
+
+
+def skip_reason(context: Context) -> str | None:
+    return None if torch.cuda.is_available() else "needs CUDA (this machine has none)"
+
+
+def cases(context: Context) -> list[Case]:
+    from evictlayers.kernels.dispatch import prefill_attention
+
+    lengths, batches, warmup, steps = sizes(context.settings.quick)
+    repeats = context.settings.repeats_for(DEFAULT_REPEATS)
+    device = torch.device("cuda")
+
+    def measure(config: str, tokens: int, batch: int) -> dict:
+        query = torch.randn(batch, Q_HEADS, tokens, HEAD_DIM, device=device, dtype=DTYPE)
+        keys, values = (torch.randn(batch, KV_HEADS, tokens, HEAD_DIM, device=device, dtype=DTYPE) for _ in range(2))
+        if config == "sdpa":
+
+            def step():
+                torch.nn.functional.scaled_dot_product_attention(query, keys, values, is_causal=True, enable_gqa=True)
+        else:
+            query_pos = torch.arange(tokens, device=device).expand(batch, tokens)
+            key_pos = torch.arange(tokens, device=device).expand(batch, KV_HEADS, tokens)
+
+            def step():
+                prefill_attention(query, keys, values, query_pos, key_pos, scaling=HEAD_DIM**-0.5,
+                                  need_mass=config == "prefill_mass")
+
+        with torch.inference_mode():
+            seconds, _ = timed_blocks(step, warmup, steps, repeats, sync=torch.cuda.synchronize)
+        flops = 2 * 2 * batch * Q_HEADS * tokens * tokens / 2 * HEAD_DIM
+        return row(config, {"tokens": tokens, "batch": batch}, {
+            "time_us": metric([s * 1e6 for s in seconds], "us", "sdpa", higher_is_better=False),
+            "tflop_per_s": metric([flops / s / 1e12 for s in seconds], "TFLOP/s", "sdpa", higher_is_better=True),
+        })
+
+    return [
+        Case(NAME, config, {"tokens": tokens, "batch": batch}, 1.0,
+             lambda c=config, t=tokens, b=batch: measure(c, t, b))
+        for tokens in lengths for batch in batches for config in CONFIGS
+    ]

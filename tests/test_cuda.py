@@ -1,0 +1,112 @@
+"""evictlayers on a CUDA GPU: the Triton kernels inside whole models, eager and compiled.
+
+Skipped without CUDA. The reference is the same policy on the CPU through the naive kernels
+(``EVICTLAYERS_KERNELS=reference``, which the rest of the suite pins against the papers' algorithms and the
+unmodified model): a tiny float32 model must decode the same logits,
+keep the same tokens and hold the same bytes on both devices. TF32 is switched off for these tests, as the
+kernels themselves use exact products for float32 caches. A bfloat16 model is held to its float32 self
+loosely (it rounds every activation to 8 bits of mantissa), and with a full cache to the unmodified model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+import evictlayers as el
+from evictlayers.compose.store import CompileError
+from evictlayers.kernels import dispatch
+from test_compile import POLICIES
+from tiny_models import CharTokenizer, build, left_padded
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+STEPS = 60
+LENGTHS = [20, 13]
+
+
+@pytest.fixture(autouse=True)
+def exact_float32():
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
+
+
+def decode_logits(model, policy, device, *, compile=False, steps=STEPS):
+    """``[steps, B, vocab]`` float32 CPU logits of a greedy loop over a left-padded batch of two on ``device``,
+    and the run's stats."""
+    model = model.to(device)
+    ids, mask = (t.to(device) for t in left_padded(LENGTHS))
+    logits = []
+    with torch.no_grad(), el.apply(model, policy, compile=compile, tokenizer=CharTokenizer()) as run:
+        cache = run.new_cache()
+        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1].float().cpu())
+        stats = run.stats()
+    return torch.stack(logits), stats
+
+
+def unmodified_logits(model, device, steps=STEPS):
+    """The same greedy loop through transformers' own cache, no evictlayers."""
+    model = model.to(device)
+    ids, mask = (t.to(device) for t in left_padded(LENGTHS))
+    logits = []
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, use_cache=True)
+        cache = out.past_key_values
+        for _ in range(steps):
+            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1].float().cpu())
+    return torch.stack(logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "mistral"])
+@pytest.mark.parametrize("name", ["h2o", "h2o-int4", "scissorhands-ahakv-parts"])
+def test_cuda_decodes_as_the_cpu_does(family, name, monkeypatch):
+    monkeypatch.setattr(dispatch, "_requested", "reference")
+    on_cpu, cpu_stats = decode_logits(build(family), POLICIES[name](), "cpu")
+    monkeypatch.setattr(dispatch, "_requested", "auto")
+    on_gpu, gpu_stats = decode_logits(build(family), POLICIES[name](), "cuda")
+    torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-4, atol=1e-4)
+    assert gpu_stats == cpu_stats
+
+
+def test_cuda_compiled_step_is_one_graph_with_the_eager_logits():
+    eager, eager_stats = decode_logits(build("llama"), POLICIES["h2o"](), "cuda")
+    torch._dynamo.reset()
+    counters.clear()
+    compiled, stats = decode_logits(build("llama"), POLICIES["h2o"](), "cuda", compile=True)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert sum(counters["recompiles"].values()) == 0, dict(counters["recompiles"])
+    torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
+    assert stats == eager_stats
+
+
+def test_cuda_compiled_quantized_step_is_refused():
+    """Inductor's build of the int4 step computed other logits than the eager step on an H200: refused, not run."""
+    with pytest.raises(CompileError, match="does not compile the decode step of layer 0 on CUDA with QuantizedKV"):
+        decode_logits(build("llama"), POLICIES["h2o-int4"](), "cuda", compile=True, steps=1)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+def test_cuda_full_cache_is_the_unmodified_model(family):
+    want = unmodified_logits(build(family), "cuda")
+    got, _ = decode_logits(build(family), el.Policy(budget=None), "cuda")
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_cuda_bfloat16_stays_near_float32():
+    """Tokens follow each run's own argmax, so only the first step (the same prefix) is compared."""
+    full, _ = decode_logits(build("llama"), POLICIES["h2o"](), "cuda", steps=1)
+    half, stats = decode_logits(build("llama").to(torch.bfloat16), POLICIES["h2o"](), "cuda", steps=1)
+    assert half.isfinite().all()
+    assert (half - full).abs().max() <= 0.05 * full.abs().max()
+    assert all(layer["retained_tokens"] <= 10 for layer in stats["layers"])
