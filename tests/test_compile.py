@@ -23,9 +23,11 @@ STEPS = 300
 LENGTHS = [20, 13]
 
 
-def decode_logits(model, policy, compile: bool, steps: int = STEPS) -> tuple[torch.Tensor, dict]:
-    """``[steps, B, vocab]`` logits of a greedy manual loop over a left-padded batch of two."""
-    ids, mask = left_padded(LENGTHS)
+def decode_logits(model, policy, compile: bool, steps: int = STEPS, device: str = "cpu") -> tuple[torch.Tensor, dict]:
+    """``[steps, B, vocab]`` float32 CPU logits of a greedy manual loop over a left-padded batch of two on
+    ``device``, and the run's stats."""
+    model = model.to(device)
+    ids, mask = (t.to(device) for t in left_padded(LENGTHS))
     logits = []
     with torch.no_grad(), el.apply(model, policy, compile=compile, tokenizer=CharTokenizer()) as run:
         cache = run.new_cache()
@@ -34,7 +36,7 @@ def decode_logits(model, policy, compile: bool, steps: int = STEPS) -> tuple[tor
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
-            logits.append(out.logits[:, -1])
+            logits.append(out.logits[:, -1].float().cpu())
         stats = run.stats()
     return torch.stack(logits), stats
 

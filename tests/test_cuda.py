@@ -17,13 +17,13 @@ from torch._dynamo.utils import counters
 import evictlayers as el
 from evictlayers.compose.store import CompileError
 from evictlayers.kernels import dispatch
-from test_compile import POLICIES
-from tiny_models import CharTokenizer, build, left_padded
+from test_compile import LENGTHS, POLICIES
+from test_compile import decode_logits as compiled_decode_logits
+from tiny_models import build, left_padded
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 STEPS = 60
-LENGTHS = [20, 13]
 
 
 @pytest.fixture(autouse=True)
@@ -35,21 +35,8 @@ def exact_float32():
 
 
 def decode_logits(model, policy, device, *, compile=False, steps=STEPS):
-    """``[steps, B, vocab]`` float32 CPU logits of a greedy loop over a left-padded batch of two on ``device``,
-    and the run's stats."""
-    model = model.to(device)
-    ids, mask = (t.to(device) for t in left_padded(LENGTHS))
-    logits = []
-    with torch.no_grad(), el.apply(model, policy, compile=compile, tokenizer=CharTokenizer()) as run:
-        cache = run.new_cache()
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
-        for _ in range(steps):
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
-            logits.append(out.logits[:, -1].float().cpu())
-        stats = run.stats()
-    return torch.stack(logits), stats
+    """``test_compile``'s greedy loop over a left-padded batch of two, ``steps`` long, on ``device``."""
+    return compiled_decode_logits(model, policy, compile, steps=steps, device=device)
 
 
 def unmodified_logits(model, device, steps=STEPS):

@@ -1,7 +1,7 @@
 """One decode step of a slot store as a function of its fixed-size tensors (DESIGN.md "One decode step").
 
 Everything here has a shape fixed by the store's capacity: the new token goes to the first free slot
-(``argmax`` over a mask), eviction picks victims with ``compose/eviction.py`` (one ``argmin``, or a
+(``kernels/slot_search.py``), eviction picks victims with ``compose/eviction.py`` (one ``argmin``, or a
 fixed-width sort for Scissorhands' drop amount ``m``), and a head under its budget simply writes its
 victims' positions back unchanged. No ``nonzero``, ``.item()``, ``int(tensor)`` or ``bool(tensor)``:
 the step runs eagerly as it is, and ``torch.compile(fullgraph=True)`` turns it into one graph that does
@@ -20,6 +20,7 @@ from evictlayers.compose.positions import rotate_at, rotate_queries, slot_ranks
 from evictlayers.compose.sketching import merge_sketch
 from evictlayers.core.slots import LAST, batch_head_index
 from evictlayers.kernels import apply_attention_sinks, decode_attention
+from evictlayers.kernels.slot_search import first_free_slot
 from evictlayers.modules.cluster_sketch import CoinTable
 from evictlayers.scoring import Observation, SlotView
 
@@ -75,7 +76,7 @@ def decode_step(
     policy, kv, pos, state, ranks, budget = store.policy, store.kv, store.pos, store.state, store.ranks, store.budget
     batch, heads = key.shape[:2]
     query_pos = torch.where(real[:, 0], store.seen, -1)  # [B]
-    slot = (pos < 0).int().argmax(-1)  # [B, H]: each head's first free slot
+    slot = first_free_slot(pos)  # [B, H]
     new_pos = query_pos[:, None].expand(batch, heads)
     kv.write(slot, key[:, :, 0], value[:, :, 0], new_pos)
     # index_put_ (not scatter_) so that inductor writes the graph inputs in place

@@ -5,6 +5,7 @@
 //   slot_values(probs [B,H,G,C] f32, values [B,H,C,Dv])   -> [B,H,G,Dv] f32  out[g] = sum_c p[g,c] v[c]
 //   slot_softmax(logits [B,H,G,C] f32, query_pos [B], key_pos [B,H,C], ...) -> probs, lse, mass
 //                                                          (naive.py's slot_softmax and reduce_group in one op)
+//   first_free_slot(pos [B,H,N] i64)                     -> [B,H] i64       where the decode's new token goes
 //
 // keys and values are float32, bfloat16 or float16 (converted to float32 in registers); any strides whose last
 // dimension is contiguous. The ops register themselves as the CPU kernels of evictlayers::slot_logits and
@@ -225,10 +226,29 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> slot_softmax(
   return {probs, lse, mass};
 }
 
+at::Tensor first_free_slot(const at::Tensor& pos_in) {
+  TORCH_CHECK(pos_in.device().is_cpu() && pos_in.dim() == 3 && pos_in.scalar_type() == at::kLong,
+              "first_free_slot takes pos [B, H, N] int64 on CPU, got ", pos_in.sizes(), " ", pos_in.scalar_type());
+  const at::Tensor pos = pos_in.contiguous();
+  const int64_t B = pos.size(0), H = pos.size(1), C = pos.size(2);
+  at::Tensor out = at::empty({B, H}, pos.options());
+  const int64_t* ps = pos.data_ptr<int64_t>();
+  int64_t* o = out.data_ptr<int64_t>();
+  at::parallel_for(0, B * H, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t* row = ps + bh * C;
+      const int64_t* free = std::find_if(row, row + C, [](int64_t p) { return p < 0; });
+      o[bh] = free == row + C ? 0 : free - row;  // none free: 0, as argmax of an all-false mask
+    }
+  });
+  return out;
+}
+
 TORCH_LIBRARY_IMPL(evictlayers, CPU, m) {
   m.impl("slot_logits", &slot_logits);
   m.impl("slot_values", &slot_values);
   m.impl("slot_softmax", &slot_softmax);
+  m.impl("first_free_slot", &first_free_slot);
 }
 
 // torch.utils.cpp_extension.load imports the build as a Python module

@@ -7,7 +7,9 @@ these cannot.
 - ``slot_logits(query [B, H, G, D] f32, keys [B, H, C, D]) -> [B, H, G, C]`` f32: ``query @ keys^T``;
 - ``slot_values(probs [B, H, G, C] f32, values [B, H, C, Dv]) -> [B, H, G, Dv]`` f32: ``probs @ values``;
 - ``softmax_mass`` (``slot_softmax``): ``naive.py``'s ``softmax_mass`` (the masked softmax of the scaled logits,
-  the LSE, and the mass reduced over each GQA group) in one pass per (batch, KV head) over its rows in L1.
+  the LSE, and the mass reduced over each GQA group) in one pass per (batch, KV head) over its rows in L1;
+- ``first_free_slot``: where the decode step's new token goes (``kernels/slot_search.py`` has its reference and
+  says why).
 
 ``keys`` and ``values`` are float32, bfloat16 or float16, with any strides whose last dimension is contiguous;
 the products accumulate in float32.
@@ -51,6 +53,8 @@ _LIB.define(
     "slot_softmax(Tensor logits, Tensor query_pos, Tensor key_pos, float scale, float softcap, int window, "
     "Tensor? gain, int reduce, bool need_mass) -> (Tensor, Tensor, Tensor)"
 )
+_LIB.define("first_free_slot(Tensor pos) -> Tensor")
+torch.library.register_fake("evictlayers::first_free_slot", lambda pos: pos.new_empty(pos.shape[:2]), lib=_LIB)
 torch.library.register_fake(
     "evictlayers::slot_logits",
     lambda query, keys: query.new_empty((*keys.shape[:2], query.shape[2], keys.shape[2])),
