@@ -32,9 +32,25 @@ def dot_options(dtype: torch.dtype) -> tuple[bool, str]:
     return upcast, "ieee" if upcast else "tf32"
 
 
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` on the host. Not ``triton.cdiv``: Triton's host helpers go through its constexpr-function
+    wrapper, whose call cost several microseconds each, and a decode call made ten of them (host time is what
+    bounds a GPU decode call at a few thousand slots)."""
+    return (a + b - 1) // b
+
+
+def next_power_of_2(n: int) -> int:
+    """The next power of two >= ``n`` (``n >= 1``) on the host, by bit operations (they also take the symbolic
+    ints of a traced shape)."""
+    n -= 1
+    for shift in (1, 2, 4, 8, 16, 32):
+        n |= n >> shift
+    return n + 1
+
+
 def block_size(n: int, lo: int = 16) -> int:
     """Next power of two >= n, at least ``lo`` (``tl.dot`` needs every dim >= 16)."""
-    return max(lo, triton.next_power_of_2(n))
+    return max(lo, next_power_of_2(n))
 
 
 @triton.jit

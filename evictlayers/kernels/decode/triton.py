@@ -17,6 +17,8 @@ softmax has its own normaliser: pass 1 keeps a second running max/sum over ``gai
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -25,9 +27,11 @@ from evictlayers.kernels.common import DecodeAttention, check_inputs, no_mass
 from evictlayers.kernels.triton_common import (
     REDUCE_CODES,
     block_size,
+    cdiv,
     dot_options,
     interpreting,
     masked_logits,
+    next_power_of_2,
     online_update,
     visible_slots,
 )
@@ -186,16 +190,22 @@ def _finalise_kernel(
 _MAX_SPLITS = 128  # the merge holds a [splits, G] tile of statistics
 
 
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The device's multiprocessor count (asked once per device)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def split_plan(n_slots: int, rows: int, block_n: int, device: torch.device) -> tuple[int, int]:
     """(slots per split, number of splits): enough programs to fill the device, none of them empty."""
-    n_blocks = triton.cdiv(n_slots, block_n)
+    n_blocks = cdiv(n_slots, block_n)
     if device.type == "cuda":
-        target = 2 * torch.cuda.get_device_properties(device).multi_processor_count
+        target = 2 * multiprocessors(device)
     else:
         target = 8  # the interpreter: a few splits so that the merge is exercised
-    splits = max(1, min(n_blocks, triton.cdiv(target, rows), _MAX_SPLITS))
-    split_len = triton.cdiv(n_blocks, splits) * block_n
-    return split_len, triton.cdiv(n_slots, split_len)
+    splits = max(1, min(n_blocks, cdiv(target, rows), _MAX_SPLITS))
+    split_len = cdiv(n_blocks, splits) * block_n
+    return split_len, cdiv(n_slots, split_len)
 
 
 def decode_attention_with_mass_triton(
@@ -218,12 +228,14 @@ def decode_attention_with_mass_triton(
     ``[B]``, key_pos ``[B, H_kv, N]``, score_gain ``[B]``. Returns out ``[B, H_q, D_v]`` (query dtype) and
     mass ``[B, H_kv, N]`` float32 and lse ``[B, H_q]`` float32. Extra memory: ``B * H_q * N`` float32 logits
     (none with ``need_mass=False``) plus per-split statistics.
-    The launch is the custom op ``torch.ops.evictlayers.decode_attention_with_mass_triton``, so
-    ``torch.compile`` traces through it (``torch.library.triton_op``).
+    Traced by ``torch.compile``, the launch is the custom op ``torch.ops.evictlayers.decode_attention_with_mass_triton``
+    (``torch.library.triton_op``), which inductor sees through; run eagerly it is the same function called
+    directly, without the op's dispatch layers (they cost as much host time as the launch code itself).
     """
     check_inputs(query, key, value, query_pos, key_pos, gqa_reduce=gqa_reduce, score_gain=score_gain)
-    out, mass, lse = _decode_op(query, key, value, query_pos, key_pos, scaling, softcap, sliding_window, gqa_reduce,
-                                score_gain, need_mass)
+    launch = _decode_op if torch.compiler.is_compiling() else _decode_launch
+    out, mass, lse = launch(query, key, value, query_pos, key_pos, scaling, softcap, sliding_window, gqa_reduce,
+                            score_gain, need_mass)
     return DecodeAttention(out, mass if need_mass else no_mass(*key_pos.shape, key_pos.device), lse)
 
 
@@ -273,17 +285,16 @@ def finalise(scratch: Scratch, gain, kv_heads, n_slots, n_splits, *, block_n, ha
     """Launch pass 2 (``_finalise_kernel``) over the ``n_splits`` splits of ``n_slots`` slots."""
     batch, q_heads, v_dim = scratch.out.shape
     groups = q_heads // kv_heads
-    blocks = triton.cdiv(n_slots, block_n) if need_mass else 1
+    blocks = cdiv(n_slots, block_n) if need_mass else 1
     torch.library.wrap_triton(_finalise_kernel)[(batch * kv_heads, blocks)](
         scratch.logits, *scratch.stats, scratch.acc, gain, scratch.out, scratch.mass, scratch.lse,
         scratch.out.stride(0), scratch.out.stride(1), n_slots, v_dim, n_splits,
-        HKV=kv_heads, G=groups, BLOCK_G=block_size(groups), BLOCK_S=triton.next_power_of_2(n_splits), BLOCK_N=block_n,
+        HKV=kv_heads, G=groups, BLOCK_G=block_size(groups), BLOCK_S=next_power_of_2(n_splits), BLOCK_N=block_n,
         BLOCK_DV=block_size(v_dim), HAS_GAIN=has_gain, REDUCE=REDUCE_CODES[gqa_reduce], NEED_MASS=need_mass,
     )
 
 
-@torch.library.triton_op("evictlayers::decode_attention_with_mass_triton", mutates_args=())
-def _decode_op(
+def _decode_launch(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -315,3 +326,6 @@ def _decode_op(
     finalise(scratch, gain, kv_heads, n_slots, n_splits, block_n=block_n, has_gain=has_gain, gqa_reduce=gqa_reduce,
              need_mass=need_mass)
     return scratch.out, scratch.mass, scratch.lse
+
+
+_decode_op = torch.library.triton_op("evictlayers::decode_attention_with_mass_triton", mutates_args=())(_decode_launch)

@@ -30,6 +30,7 @@ from evictlayers.kernels.common import AttentionMass, check_inputs
 from evictlayers.kernels.triton_common import (
     REDUCE_CODES,
     block_size,
+    cdiv,
     dot_options,
     interpreting,
     masked_logits,
@@ -219,7 +220,7 @@ def attention_with_mass_triton(
                   HAS_GAIN=gained, UPCAST=upcast, PRECISION=precision)
     common = (scaling, softcap or 1.0, sliding_window or 0)
 
-    _forward_kernel[(triton.cdiv(q_len, block), batch * q_heads)](
+    _forward_kernel[(cdiv(q_len, block), batch * q_heads)](
         query, key, value, query_pos, key_pos, gain, out, lse, score_lse,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -231,7 +232,7 @@ def attention_with_mass_triton(
     if scores:
         # without the mass, pass 2 starts at the query block holding the first kept row
         first_m = 0 if need_mass else (q_len - n_rows) // block * block
-        _mass_kernel[(triton.cdiv(n_slots, block), batch * kv_heads)](
+        _mass_kernel[(cdiv(n_slots, block), batch * kv_heads)](
             query, key, query_pos, key_pos, gain, score_lse, mass, rows,
             query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
             q_len, n_slots, head_dim, n_rows, first_m, *common,

@@ -188,14 +188,16 @@ def quantized_decode_attention_with_mass_triton(
     """Triton twin of ``naive.py``'s ``quantized_decode_attention_with_mass``; see it for the arguments.
 
     Extra memory: ``B * H_q * (C + R)`` float32 logits (none with ``need_mass=False``) plus per-split
-    statistics. The launch is the custom op ``torch.ops.evictlayers.quantized_decode_attention_triton``
-    (``torch.library.triton_op``), so ``torch.compile`` traces through it.
+    statistics. Traced by ``torch.compile``, the launch is the custom op
+    ``torch.ops.evictlayers.quantized_decode_attention_triton`` (``torch.library.triton_op``); run eagerly, the
+    same function called directly (``decode/triton.py`` says why).
     """
     check_packed_inputs(
         query, packed, residual_keys, residual_values, query_pos, key_pos, residual_pos,
         gqa_reduce=gqa_reduce, score_gain=score_gain,
     )
-    out, mass, lse = _quantized_decode_op(
+    launch = _quantized_decode_op if torch.compiler.is_compiling() else _quantized_decode_launch
+    out, mass, lse = launch(
         query, *packed[:7], residual_keys, residual_values, query_pos, key_pos, residual_pos, packed.bits,
         packed.group, scaling, softcap, sliding_window, gqa_reduce, score_gain, need_mass,
     )
@@ -205,8 +207,7 @@ def quantized_decode_attention_with_mass_triton(
     return DecodeAttention(out, mass, lse)
 
 
-@torch.library.triton_op("evictlayers::quantized_decode_attention_triton", mutates_args=())
-def _quantized_decode_op(
+def _quantized_decode_launch(
     query: torch.Tensor,
     key_codes: torch.Tensor,
     key_scale: torch.Tensor,
@@ -279,3 +280,8 @@ def _quantized_decode_op(
     finalise(scratch, gain, kv_heads, total, splits, block_n=block_n, has_gain=has_gain, gqa_reduce=gqa_reduce,
              need_mass=need_mass)
     return scratch.out, scratch.mass, scratch.lse
+
+
+_quantized_decode_op = torch.library.triton_op("evictlayers::quantized_decode_attention_triton", mutates_args=())(
+    _quantized_decode_launch
+)
