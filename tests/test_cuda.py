@@ -15,6 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 import evictlayers as el
+from evictlayers.compose.recipes import SHIPPED_RECIPES
 from evictlayers.compose.store import CompileError
 from evictlayers.kernels import dispatch
 from test_compile import LENGTHS, POLICIES
@@ -62,6 +63,28 @@ def test_cuda_decodes_as_the_cpu_does(family, name, monkeypatch):
     on_cpu, cpu_stats = decode_logits(build(family), POLICIES[name](), "cpu")
     monkeypatch.setattr(dispatch, "_requested", "auto")
     on_gpu, gpu_stats = decode_logits(build(family), POLICIES[name](), "cuda")
+    torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-4, atol=1e-4)
+    assert gpu_stats == cpu_stats
+
+
+RECIPES = sorted(path.stem for path in SHIPPED_RECIPES.glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cuda_shipped_recipes_decode_as_on_the_cpu(recipe, monkeypatch):
+    """Every shipped recipe (sketches, rolling positions, chunks, per-head state, allocations, int4) on a
+    model with a sliding window and soft-capping, at a budget of 40 tokens of a 20-token prompt grown by decoding."""
+    policy = el.load_recipe(recipe)
+    if policy.budget is not None:
+        policy = policy.replace(budget=40)
+    if isinstance(policy.storage, el.QuantizedKV):  # groups that divide the tiny model's head dim of 16
+        storage = policy.storage
+        policy = policy.replace(storage={"_component_": "QuantizedKV", "bits": storage.bits, "group": 8,
+                                         "residual": storage.residual})
+    monkeypatch.setattr(dispatch, "_requested", "reference")
+    on_cpu, cpu_stats = decode_logits(build("gemma2"), policy, "cpu")
+    monkeypatch.setattr(dispatch, "_requested", "auto")
+    on_gpu, gpu_stats = decode_logits(build("gemma2"), policy, "cuda")
     torch.testing.assert_close(on_gpu, on_cpu, rtol=1e-4, atol=1e-4)
     assert gpu_stats == cpu_stats
 
