@@ -164,10 +164,12 @@ def test_decode_matches_reference(dims, n_slots, groups, dtype, reduce, with_gai
 
 
 def test_decode_without_the_mass_keeps_output_and_lse():
-    """``need_mass=False``: no logits are cached and no mass pass runs; the mass is zeros, the rest the reference's."""
+    """``need_mass=False``: no logits are cached and no mass pass runs; the mass is zeros, the rest the reference's
+    (here with the query positions a strided view)."""
     g = torch.Generator().manual_seed(5)
     query, key, value = tensors(g, torch.float32, (2, 6, 64), (2, 2, 70, 64), (2, 2, 70, 64))
-    key_pos, query_pos = slots(g, 2, 2, 70, 70), torch.tensor([140, -1])
+    key_pos = slots(g, 2, 2, 70, 70)
+    query_pos = torch.tensor([[140, 7], [-1, 7]])[:, 0]  # a strided view: the kernel must not assume stride 1
     kwargs = dict(scaling=0.125, sliding_window=50, score_gain=torch.tensor([1.5, 0.5]))
     inputs = (query, key, value, query_pos, key_pos)
     with poisoned_empty():

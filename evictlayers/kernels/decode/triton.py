@@ -312,7 +312,7 @@ def _decode_launch(
     _, kv_heads, n_slots, _ = key.shape
     # the kernels index the last dim with stride 1
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    key_pos = key_pos.contiguous()
+    query_pos, key_pos = query_pos.contiguous(), key_pos.contiguous()  # the kernels read them with stride 1
     gain = score_gain.contiguous() if score_gain is not None else query_pos  # never read without a gain
     has_gain = score_gain is not None and need_mass  # the scoring softmax only feeds the mass
     block_n = 16 if interpreting() else 64

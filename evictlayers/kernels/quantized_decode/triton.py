@@ -244,7 +244,9 @@ def _quantized_decode_launch(
         for t in (query, key_codes, key_scale, key_zero, value_codes, value_scale, value_zero, residual_keys,
                   residual_values)
     )
-    key_channel_scale, key_pos, residual_pos = (t.contiguous() for t in (key_channel_scale, key_pos, residual_pos))
+    key_channel_scale, query_pos, key_pos, residual_pos = (
+        t.contiguous() for t in (key_channel_scale, query_pos, key_pos, residual_pos)
+    )
     gain = score_gain.contiguous() if score_gain is not None else query_pos  # never read without a gain
     has_gain = score_gain is not None and need_mass  # the scoring softmax only feeds the mass
     block_n = 16 if interpreting() else 64
