@@ -62,8 +62,10 @@ class EvictionRun:
             # the C++ prefill-with-mass kernel is built (once per machine, cached after) or loaded here, not
             # inside the first prefill someone times
             mass_cpu.extension()
-        if any(p.decode_needs_mass for p in layer_policies) and model.device.type == "cpu":
-            slots_cpu.extension()  # likewise the decode's matmuls over the slots (those steps read the mass)
+        if model.device.type == "cpu":
+            # likewise the decode's slot ops: its matmuls over the slots (for the steps that read the mass) and
+            # the search for each head's first free slot (every step that goes through the slot store)
+            slots_cpu.extension()
         # a policy that ranks sentences: which token ids end one, and the current forward's marks [B, Q]
         self._sentence_table: torch.Tensor | None = None
         self.sentence_ends: torch.Tensor | None = None

@@ -29,8 +29,8 @@ keeps a row's passes in L1.
 The C++ file registers itself as the ops' CPU kernels, so a call, eager or from the compiled decode step
 (the ops are opaque there, with the shapes of ``register_fake`` below), goes from the dispatcher straight to
 C++. It is compiled by ``kernels/cpu_extension.py`` on first use (``available``): ``evictlayers.apply`` asks
-for it on a CPU model whose decode reads the mass. When it cannot be built, ``available`` is false and
-``decode/cpu.py`` runs ``naive.py``'s ``torch.matmul`` instead.
+for it on a CPU model. When it cannot be built, ``available`` is false: ``decode/cpu.py`` runs ``naive.py``'s
+``torch.matmul`` instead, and ``kernels/slot_search.py`` its PyTorch search.
 """
 
 from __future__ import annotations
