@@ -220,9 +220,10 @@ def test_a_gradient_or_an_unsupported_cache_takes_the_matmuls():
     assert not slots_cpu.serves(query.detach(), keys.transpose(-1, -2), values)
 
 
-@pytest.mark.parametrize("recipe,built", [("h2o", True), ("streaming_llm", False)])
-def test_applying_a_policy_whose_decode_reads_mass_builds_the_kernel(monkeypatch, recipe, built):
-    """The build (or the load of a cached build) happens at ``apply``, not inside the first decode step."""
+@pytest.mark.parametrize("recipe", ["h2o", "streaming_llm"])
+def test_applying_a_policy_on_cpu_builds_the_kernels(monkeypatch, recipe):
+    """The build (or the load of a cached build) happens at ``apply``, not inside the first decode step: for a
+    policy whose decode reads the mass (the matmuls) and for one that does not (the first free slot's search)."""
     import evictlayers as el
     from tiny_models import build
 
@@ -230,4 +231,4 @@ def test_applying_a_policy_whose_decode_reads_mass_builds_the_kernel(monkeypatch
     monkeypatch.setattr(slots_cpu, "extension", lambda: calls.append(1))
     with el.apply(build("llama"), el.load_recipe(recipe)):
         pass
-    assert bool(calls) == built
+    assert calls == [1]
