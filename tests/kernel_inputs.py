@@ -70,6 +70,18 @@ def poisoned_empty():
         torch.empty = real
 
 
+def on_device(value, device):
+    """``value`` (a tensor, ``None``, or a tuple/namedtuple/dict of them) on ``device`` (``None``: as it is)."""
+    if isinstance(value, torch.Tensor):
+        return value if device is None else value.to(device)
+    if isinstance(value, dict):
+        return {name: on_device(v, device) for name, v in value.items()}
+    if isinstance(value, tuple):
+        moved = [on_device(v, device) for v in value]
+        return type(value)(*moved) if hasattr(value, "_fields") else tuple(moved)
+    return value
+
+
 def nan_lse(query, device=None):
     """A NaN-filled ``lse_out`` buffer for ``query`` ``[B, H_q, Q, D]``: every element must be written."""
     return torch.full(query.shape[:3], float("nan"), dtype=torch.float32, device=device)
@@ -86,10 +98,9 @@ def compare_prefill(kernel, inputs, *, out_atol=1e-5, mass_atol=1e-5, rtol=1e-4,
     else must match the reference run with the mass. Returns the kernel's result, on the CPU."""
     query = inputs[0]
     need_mass = options.pop("need_mass", True)
-    moved = lambda t: t.to(device) if isinstance(t, torch.Tensor) and device is not None else t  # noqa: E731
     got_lse, want_lse = nan_lse(query, device), nan_lse(query)
     with poisoned_empty():
-        got = kernel(*map(moved, inputs), **{k: moved(v) for k, v in options.items()}, lse_out=got_lse,
+        got = kernel(*on_device(tuple(inputs), device), **on_device(options, device), lse_out=got_lse,
                      need_mass=need_mass)
     got, got_lse = type(got)(*(t.cpu() for t in got)), got_lse.cpu()
     if reference_dtype is not None:

@@ -22,17 +22,12 @@ from test_compile import LENGTHS, POLICIES
 from test_compile import decode_logits as compiled_decode_logits
 from tiny_models import build, left_padded
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+    pytest.mark.usefixtures("exact_float32"),  # conftest.py: the kernels use exact products for float32 caches
+]
 
 STEPS = 60
-
-
-@pytest.fixture(autouse=True)
-def exact_float32():
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
 
 
 def decode_logits(model, policy, device, *, compile=False, steps=STEPS):

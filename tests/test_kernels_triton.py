@@ -37,7 +37,7 @@ from evictlayers.kernels.prefill.naive import attention_with_mass  # noqa: E402
 from evictlayers.kernels.prefill.triton import attention_with_mass_triton  # noqa: E402
 from evictlayers.kernels.quantized_decode.naive import quantized_decode_attention_with_mass  # noqa: E402
 from evictlayers.kernels.quantized_decode.triton import quantized_decode_attention_with_mass_triton  # noqa: E402
-from kernel_inputs import compare_prefill, poisoned_empty, prefill_inputs, quantized_inputs  # noqa: E402
+from kernel_inputs import compare_prefill, on_device, poisoned_empty, prefill_inputs, quantized_inputs  # noqa: E402
 from tiny_models import single_thread  # noqa: E402,F401 (autouse fixture)
 
 pytestmark = [
@@ -52,24 +52,9 @@ pytestmark = [
 BF16_NEEDS_CUDA = pytest.mark.skipif(not CUDA, reason="bfloat16 tl.dot is wrong on the Triton CPU interpreter")
 
 
-@pytest.fixture
-def exact_float32():
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = matmul, cudnn
-
-
 def to_device(value):
-    """``value`` (a tensor, ``None``, or a tuple/namedtuple/dict of them) on the kernels' device."""
-    if isinstance(value, torch.Tensor):
-        return value.to(DEVICE)
-    if isinstance(value, dict):
-        return {name: to_device(v) for name, v in value.items()}
-    if isinstance(value, tuple):
-        moved = [to_device(v) for v in value]
-        return type(value)(*moved) if hasattr(value, "_fields") else tuple(moved)
-    return value
+    """``kernel_inputs.on_device`` on the kernels' device."""
+    return on_device(value, DEVICE)
 
 
 def on_cpu(result):

@@ -65,6 +65,13 @@ def reduce_group(per_head: torch.Tensor, how: str) -> torch.Tensor:
     return per_head.amax(dim=2)
 
 
+def check_devices(query: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    """Raise ``ValueError`` naming every one of ``tensors`` (``None`` skipped) that is not on ``query``'s device."""
+    elsewhere = [name for name, t in tensors.items() if t is not None and t.device != query.device]
+    if elsewhere:
+        raise ValueError(f"{', '.join(elsewhere)} must be on the query's device ({query.device})")
+
+
 def check_inputs(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -107,10 +114,7 @@ def check_inputs(
         raise ValueError(f"key_pos has shape {tuple(key_pos.shape)}, expected {(batch, kv_heads, n_slots)}")
     if score_gain is not None and tuple(score_gain.shape) != rows_shape:
         raise ValueError(f"score_gain has shape {tuple(score_gain.shape)}, expected {rows_shape} (one per query)")
-    elsewhere = [name for name, t in (("key", key), ("value", value), ("query_pos", query_pos), ("key_pos", key_pos),
-                                      ("score_gain", score_gain)) if t is not None and t.device != query.device]
-    if elsewhere:
-        raise ValueError(f"{', '.join(elsewhere)} must be on the query's device ({query.device})")
+    check_devices(query, key=key, value=value, query_pos=query_pos, key_pos=key_pos, score_gain=score_gain)
     if lse_out is not None:
         lse_shape = tuple(query.shape[:-1])
         if tuple(lse_out.shape) != lse_shape or lse_out.dtype != torch.float32 or lse_out.device != query.device:
@@ -178,8 +182,5 @@ def check_packed_inputs(
                 f"packed codes: {name} is {tensor.dtype} {tuple(tensor.shape)}, expected "
                 f"{dtype or 'a float'} {shape} for {packed.bits}-bit codes in groups of {packed.group}"
             )
-    elsewhere = [name for name in (*expected, "key_pos") if
-                 (key_pos if name == "key_pos" else getattr(packed, name)).device != query.device]
-    if elsewhere:
-        raise ValueError(f"{', '.join(elsewhere)} must be on the query's device ({query.device})")
+    check_devices(query, **{name: getattr(packed, name) for name in expected}, key_pos=key_pos)
     return groups
