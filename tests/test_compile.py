@@ -57,10 +57,11 @@ POLICIES = {
         el.HeavyHitterSelector(el.Windowed(8), el.StepGainSoftmax(), el.ValuePrior()),
         budget=0.5, drop=0.25,
     ),
-    # per-head state (KeyDiff's anchor), pooling, layer scope and a budget split between two selectors
+    # per-head state (KeyDiff's anchor), pooling, layer scope (its max and its mean over the heads) and a
+    # budget split between two selectors
     "shared-budget-key-scorers": lambda: el.Policy(
         el.SinkTokens(1),
-        el.HeavyHitterSelector(el.Windowed(4), pool=3, scope="layer", share=0.5),
+        el.HeavyHitterSelector(el.Windowed(4), pool=3, scope="layer", scope_reduce="max", share=0.5),
         el.HeavyHitterSelector(el.KeyDiff(), scope="layer", share=0.5),
         budget=0.5,
     ),

@@ -166,6 +166,27 @@ def test_layer_scope_keeps_the_same_tokens_in_every_head():
     assert torch.equal(store.pos[0, 0], store.pos[0, 2])  # identical slot layouts, not just sets
 
 
+def test_layer_scope_max_keeps_what_any_head_ranks_highest():
+    torch.manual_seed(6)
+    keys = torch.randn(3, 40, 8) + 1.0
+    policy = el.Policy(el.HeavyHitterSelector(el.KeyDiff(), scope="layer", scope_reduce="max"), budget=9)
+    store, history = _drive(policy, keys, prompt=20, heads=3)
+
+    def max_over_heads(held):
+        per_head = [keydiff_scores(keys[h], held) for h in range(3)]
+        return {j: max(s[j] for s in per_head) for j in held}
+
+    expected = run_reference(keys[0], 20, 9, _lowest_out(max_over_heads))
+    assert [h[0] for h in history] == expected
+    assert all(h[0] == h[1] == h[2] for h in history)
+    mean = _drive(el.Policy(el.HeavyHitterSelector(el.KeyDiff(), scope="layer"), budget=9), keys, prompt=20, heads=3)
+    assert [h[0] for h in mean[1]] != expected  # the reduction matters on these keys
+    with pytest.raises(ValueError, match=r"scope_reduce='max'\) combines a layer's heads: it needs scope='layer'"):
+        el.HeavyHitterSelector(el.KeyDiff(), scope_reduce="max")
+    with pytest.raises(ValueError, match=r"scope_reduce='median'\): expected one of \('mean', 'max'\)"):
+        el.HeavyHitterSelector(el.KeyDiff(), scope="layer", scope_reduce="median")
+
+
 @pytest.mark.parametrize("shares", [(0.5, 0.5), (0.25, 0.75), (0.7, 0.3)], ids=str)
 def test_selectors_split_the_budget_by_share(shares):
     torch.manual_seed(7)

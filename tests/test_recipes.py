@@ -86,7 +86,7 @@ def test_normalisation_fills_only_documented_defaults():
     assert _normalised_component(selector) == {
         "_component_": "HeavyHitterSelector", "accumulator": {"_component_": "Windowed", "rows": 32, "reduce": "sum"},
         "transform": None, "prior": None, "pool": 5, "pool_reduce": "mean", "pool_side": "both", "chunk": 1,
-        "sentence_cap": 32, "chunk_reduce": "sum", "scope": "head", "share": None,
+        "sentence_cap": 32, "chunk_reduce": "sum", "scope": "head", "scope_reduce": "mean", "share": None,
     }
     assert _typed({"size": 32}) != _typed({"size": 32.0})
     with pytest.raises(AssertionError, match="no constructor arguments"):

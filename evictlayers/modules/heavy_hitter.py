@@ -65,19 +65,23 @@ class HeavyHitterSelector(Selector):
     - ``scope="layer"``: every KV head of the layer keeps the same tokens, ranked by the score averaged
       over the heads (TOVA, Oren et al. 2024, arXiv:2401.06104, Sec. 3.2; ChunkKV's layer-wise index
       reuse). The heads' slot layouts then stay identical, so slot ``j`` is the same token in every head.
+    - ``scope_reduce="max"`` (with ``scope="layer"``): the layer ranks each token by the largest score any
+      of its KV heads gives it instead of the mean, so a token one head needs (a retrieval head reading a
+      needle, say) is not outvoted by heads that attend elsewhere. Our variant.
     - ``share=f``: the fraction of the unprotected slots this selector fills when a Policy holds several
       selectors (see ``Policy``); ``None`` (the default) for a policy's only selector.
     """
 
     param_names = (
         "accumulator", "transform", "prior", "pool", "pool_reduce", "pool_side", "chunk", "sentence_cap",
-        "chunk_reduce", "scope", "share",
+        "chunk_reduce", "scope", "scope_reduce", "share",
     )
     CHUNK_REDUCTIONS = ("sum", "mean")
     SENTENCE = "sentence"
     POOL_REDUCTIONS = ("mean", "max")
     POOL_SIDES = ("both", "before")
     SCOPES = ("head", "layer")
+    SCOPE_REDUCTIONS = ("mean", "max")
 
     def __init__(
         self,
@@ -91,6 +95,7 @@ class HeavyHitterSelector(Selector):
         sentence_cap: int = 32,
         chunk_reduce: str = "sum",
         scope: str = "head",
+        scope_reduce: str = "mean",
         share: float | None = None,
     ):
         super().__init__()
@@ -132,12 +137,19 @@ class HeavyHitterSelector(Selector):
         if chunk_reduce != "sum" and chunk == 1:
             raise ValueError(f"HeavyHitterSelector(chunk_reduce={chunk_reduce!r}) reduces chunks: it needs chunk >= 2 "
                              "or chunk='sentence' (got chunk=1)")
+        if scope_reduce not in self.SCOPE_REDUCTIONS:
+            raise ValueError(
+                f"HeavyHitterSelector(scope_reduce={scope_reduce!r}): expected one of {self.SCOPE_REDUCTIONS}"
+            )
+        if scope_reduce != "mean" and scope != "layer":
+            raise ValueError(f"HeavyHitterSelector(scope_reduce={scope_reduce!r}) combines a layer's heads: it needs "
+                             f"scope='layer' (got scope={scope!r})")
         self.accumulator = accumulator
         self.transform = transform
         self.prior = prior
         self.pool, self.pool_reduce, self.pool_side = pool, pool_reduce, pool_side
         self.chunk, self.sentence_cap, self.chunk_reduce = chunk, sentence_cap, chunk_reduce
-        self.scope, self.share = scope, share
+        self.scope, self.scope_reduce, self.share = scope, scope_reduce, share
 
     @classmethod
     def _check_options(cls, pool: Any, pool_reduce: Any, pool_side: Any, scope: Any, share: Any) -> None:
@@ -167,7 +179,8 @@ class HeavyHitterSelector(Selector):
             )
 
     DEFAULTS = {"transform": None, "prior": None, "pool": 1, "pool_reduce": "mean", "pool_side": "both", "chunk": 1,
-                "sentence_cap": 32, "chunk_reduce": "sum", "scope": "head", "share": None}
+                "sentence_cap": 32, "chunk_reduce": "sum", "scope": "head", "scope_reduce": "mean",
+                "share": None}
 
     def params(self) -> dict[str, Any]:
         # options appear only when they differ from the default, so an H2O selector dumps as it always did
@@ -246,8 +259,13 @@ class HeavyHitterSelector(Selector):
             score = reduce_by_group(score, view.pos, view.pos.div(self.chunk, rounding_mode="floor"), self.chunk_reduce)
         if self.scope == "layer":
             held = view.valid
-            mean = (score * held).sum(1, keepdim=True) / held.sum(1, keepdim=True).clamp(min=1)
-            score = mean.expand_as(score)
+            if self.scope_reduce == "max":
+                # over the heads holding the slot; a slot no head holds scores 0, as the mean gives it
+                top = score.masked_fill(~held, float("-inf")).amax(1, keepdim=True)
+                score = torch.where(held.any(1, keepdim=True), top, 0.0).expand_as(score)
+            else:
+                mean = (score * held).sum(1, keepdim=True) / held.sum(1, keepdim=True).clamp(min=1)
+                score = mean.expand_as(score)
         return score
 
 
