@@ -38,7 +38,7 @@ from evictlayers.kernels.triton_common import (
 
 
 @triton.jit
-def _dequantized(codes_ptr, scale_ptr, zero_ptr, offs_n, offs_p, n_ok, p_ok, s_n, s_sn,
+def _dequantized(codes_ptr, scale_ptr, zero_ptr, offs_n, offs_p, n_ok, p_ok, s_n, s_sn, s_zn,
                  HIGH: tl.constexpr, PACKED: tl.constexpr, GROUP: tl.constexpr):
     """``[BLOCK_N, BLOCK_P]`` float32 ``code * scale + zero`` of one half tile: the low nibbles (channels
     ``2p``) or the high ones (``2p + 1``) of int4 bytes, or the int8 codes themselves (channel ``p``)."""
@@ -52,9 +52,9 @@ def _dequantized(codes_ptr, scale_ptr, zero_ptr, offs_n, offs_p, n_ok, p_ok, s_n
         channel = 2 * offs_p + HIGH
     else:
         channel = offs_p
-    at = offs_n[:, None] * s_sn + (channel // GROUP)[None, :]
-    scale = tl.load(scale_ptr + at, mask=ok, other=0.0).to(tl.float32)
-    zero = tl.load(zero_ptr + at, mask=ok, other=0.0).to(tl.float32)
+    group = (channel // GROUP)[None, :]
+    scale = tl.load(scale_ptr + offs_n[:, None] * s_sn + group, mask=ok, other=0.0).to(tl.float32)
+    zero = tl.load(zero_ptr + offs_n[:, None] * s_zn + group, mask=ok, other=0.0).to(tl.float32)
     return codes.to(tl.float32) * scale + zero
 
 
@@ -74,8 +74,8 @@ def _query_half(q_ptr, b, h, s_qb, s_qh, offs_g, g_ok, offs_p, p_ok,
 def _code_split_kernel(
     q_ptr, kc_ptr, ks_ptr, kz_ptr, kch_ptr, vc_ptr, vs_ptr, vz_ptr, qpos_ptr, kpos_ptr, gain_ptr,
     logits_ptr, m_ptr, l_ptr, ms_ptr, ls_ptr, acc_ptr,
-    s_qb, s_qh, s_kcb, s_kch, s_kcn, s_ksb, s_ksh, s_ksn, s_chb, s_chh,
-    s_vcb, s_vch, s_vcn, s_vsb, s_vsh, s_vsn, s_pb, s_ph,
+    s_qb, s_qh, s_kcb, s_kch, s_kcn, s_ksb, s_ksh, s_ksn, s_kzb, s_kzh, s_kzn, s_chb, s_chh,
+    s_vcb, s_vch, s_vcn, s_vsb, s_vsh, s_vsn, s_vzb, s_vzh, s_vzn, s_pb, s_ph,
     N, P, PV, DV, split_len, n_splits, scaling, softcap, window, row_len,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_P: tl.constexpr, BLOCK_PV: tl.constexpr, GROUP: tl.constexpr, PACKED: tl.constexpr,
@@ -108,10 +108,10 @@ def _code_split_kernel(
         gain = tl.load(gain_ptr + b).to(tl.float32)
     kc = kc_ptr + b * s_kcb + h * s_kch
     ks = ks_ptr + b * s_ksb + h * s_ksh
-    kz = kz_ptr + b * s_ksb + h * s_ksh
+    kz = kz_ptr + b * s_kzb + h * s_kzh
     vc = vc_ptr + b * s_vcb + h * s_vch
     vs = vs_ptr + b * s_vsb + h * s_vsh
-    vz = vz_ptr + b * s_vsb + h * s_vsh
+    vz = vz_ptr + b * s_vzb + h * s_vzh
 
     m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -126,11 +126,11 @@ def _code_split_kernel(
         n_ok = offs_n < end
         k_pos = tl.load(kpos_ptr + b * s_pb + h * s_ph + offs_n, mask=n_ok, other=-1)
         seen = visible_slots(q_pos, k_pos, window, HAS_WINDOW)[None, :]
-        k_lo = (_dequantized(kc, ks, kz, offs_n, offs_p, n_ok, p_ok, s_kcn, s_ksn, 0, PACKED, GROUP)
+        k_lo = (_dequantized(kc, ks, kz, offs_n, offs_p, n_ok, p_ok, s_kcn, s_ksn, s_kzn, 0, PACKED, GROUP)
                 * ch_lo[None, :]).to(dtype)
         x = masked_logits(q_lo, k_lo, seen, scaling, softcap, False, UPCAST, PRECISION)
         if PACKED:
-            k_hi = (_dequantized(kc, ks, kz, offs_n, offs_p, n_ok, p_ok, s_kcn, s_ksn, 1, PACKED, GROUP)
+            k_hi = (_dequantized(kc, ks, kz, offs_n, offs_p, n_ok, p_ok, s_kcn, s_ksn, s_kzn, 1, PACKED, GROUP)
                     * ch_hi[None, :]).to(dtype)
             x += masked_logits(q_hi, k_hi, seen, scaling, softcap, False, UPCAST, PRECISION)
         if HAS_SOFTCAP:  # on the whole logit, after the halves are summed
@@ -141,12 +141,12 @@ def _code_split_kernel(
         m_i, alpha, p, l_i = online_update(m_i, l_i, x)
         if not UPCAST:
             p = p.to(dtype)
-        v_lo = _dequantized(vc, vs, vz, offs_n, offs_pv, n_ok, pv_ok, s_vcn, s_vsn, 0, PACKED, GROUP).to(dtype)
+        v_lo = _dequantized(vc, vs, vz, offs_n, offs_pv, n_ok, pv_ok, s_vcn, s_vsn, s_vzn, 0, PACKED, GROUP).to(dtype)
         if UPCAST:
             v_lo = v_lo.to(tl.float32)
         acc_lo = acc_lo * alpha[:, None] + tl.dot(p, v_lo, input_precision=PRECISION)
         if PACKED:
-            v_hi = _dequantized(vc, vs, vz, offs_n, offs_pv, n_ok, pv_ok, s_vcn, s_vsn, 1, PACKED, GROUP).to(dtype)
+            v_hi = _dequantized(vc, vs, vz, offs_n, offs_pv, n_ok, pv_ok, s_vcn, s_vsn, s_vzn, 1, PACKED, GROUP).to(dtype)
             if UPCAST:
                 v_hi = v_hi.to(tl.float32)
             acc_hi = acc_hi * alpha[:, None] + tl.dot(p, v_hi, input_precision=PRECISION)
@@ -262,9 +262,11 @@ def _quantized_decode_launch(
         query_pos, key_pos, gain, *scratch.pass_one(),
         query.stride(0), query.stride(1), key_codes.stride(0), key_codes.stride(1), key_codes.stride(2),
         key_scale.stride(0), key_scale.stride(1), key_scale.stride(2),
+        key_zero.stride(0), key_zero.stride(1), key_zero.stride(2),
         key_channel_scale.stride(0), key_channel_scale.stride(1),
         value_codes.stride(0), value_codes.stride(1), value_codes.stride(2),
-        value_scale.stride(0), value_scale.stride(1), value_scale.stride(2), key_pos.stride(0), key_pos.stride(1),
+        value_scale.stride(0), value_scale.stride(1), value_scale.stride(2),
+        value_zero.stride(0), value_zero.stride(1), value_zero.stride(2), key_pos.stride(0), key_pos.stride(1),
         n_codes, *packed_dims, residual_values.shape[-1], code_len, splits, scaling, softcap or 1.0,
         sliding_window or 0, total,
         HKV=kv_heads, G=groups, BLOCK_G=block_size(groups), BLOCK_N=block_n, BLOCK_P=block_size(packed_dims[0]),
