@@ -185,8 +185,9 @@ def build_parser() -> argparse.ArgumentParser:
     nd = commands.add_parser(
         "needles", help="per-head dumps: which layers and KV heads hold the pass key (or RULER's needles) after the prompt",
         description="Prefill passkey prompts (or RULER's niah_* prompts, --task ruler) under each recipe and count, "
-                    "per layer and KV head, the key's (each answer's) tokens still held; writes needles.json and "
-                    "needles.md.")
+                    "per layer and KV head, the key's (each answer's) tokens still held (with --task ruler, also "
+                    "which answers the question's own attention ranks within the budget in the unmodified model); "
+                    "writes needles.json and needles.md.")
     nd.add_argument("recipes", nargs="+", metavar="RECIPE", help="shipped recipe names or YAML paths")
     nd.add_argument("--task", choices=("passkey", "ruler"), default="passkey", help="(passkey)")
     nd.add_argument("--budget", type=_budget, default=0.2, help="budget for every recipe but full (0.2)")
