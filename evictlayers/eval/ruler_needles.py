@@ -147,6 +147,18 @@ def _whole(held: list[list[int]], tokens: int) -> bool:
     return all(c == tokens for layer in held for c in layer)
 
 
+def _whole_shares(answers: Sequence[dict], field: str) -> tuple[float | None, list[float]]:
+    """Over every (answer, layer, head) count ``[L][H]`` in ``field``: the share that is the answer's whole
+    value (``value_tokens``), and that share per layer."""
+    pairs = [c == a["value_tokens"] for a in answers for layer in a[field] for c in layer]
+    layers = len(answers[0][field]) if answers else 0
+    per_layer = []
+    for i in range(layers):
+        heads = [c == a["value_tokens"] for a in answers for c in a[field][i]]
+        per_layer.append(sum(heads) / len(heads))
+    return (sum(pairs) / len(pairs) if pairs else None), per_layer
+
+
 def summarize_answers(records: Sequence[dict]) -> dict:
     """Over every answer of ``records``: how many there are and were found; how many had their value
     (and their key) held whole by every layer and KV head; the share of heads holding the whole value;
@@ -156,18 +168,13 @@ def summarize_answers(records: Sequence[dict]) -> dict:
     whole, cut = [], []
     for a in answers:
         (whole if _whole(a["value_held"], a["value_tokens"]) else cut).append(a)
-    pairs = [(c, a["value_tokens"]) for a in answers for layer in a["value_held"] for c in layer]
-    layers = len(answers[0]["value_held"]) if answers else 0
-    per_layer = []
-    for i in range(layers):
-        heads = [c == a["value_tokens"] for a in answers for c in a["value_held"][i]]
-        per_layer.append(sum(heads) / len(heads))
+    share, per_layer = _whole_shares(answers, "value_held")
     return {
         "answers": len(answers),
         "found": sum(a["found"] for a in answers),
         "value_whole": len(whole),
         "key_and_value_whole": sum(_whole(a["key_held"], a["key_tokens"]) for a in whole),
-        "value_head_share": sum(c == k for c, k in pairs) / len(pairs) if pairs else None,
+        "value_head_share": share,
         "found_when_whole": (sum(a["found"] for a in whole), len(whole)),
         "found_when_cut": (sum(a["found"] for a in cut), len(cut)),
         # of the answers cut somewhere, those whose whole value some query head of the question ranks
@@ -181,16 +188,11 @@ def summarize_question(answers: Sequence[dict]) -> dict:
     there are; how many some (layer, query head) ranks whole; the share of (layer, head) pairs ranking
     the whole value; per layer, the share of (answer, head) pairs that do; the mean over answers of the
     largest attention one head gives the value."""
-    pairs = [c == a["value_tokens"] for a in answers for layer in a["value_ranked"] for c in layer]
-    layers = len(answers[0]["value_ranked"]) if answers else 0
-    per_layer = []
-    for i in range(layers):
-        heads = [c == a["value_tokens"] for a in answers for c in a["value_ranked"][i]]
-        per_layer.append(sum(heads) / len(heads))
+    share, per_layer = _whole_shares(answers, "value_ranked")
     return {
         "answers": len(answers),
         "whole_somewhere": sum(_ranked_whole(a["value_ranked"], a["value_tokens"]) for a in answers),
-        "head_share": sum(pairs) / len(pairs) if pairs else None,
+        "head_share": share,
         "largest_mass": sum(max(m for layer in a["value_mass"] for m in layer) for a in answers) / len(answers)
         if answers else None,
         "whole_per_layer": per_layer,
