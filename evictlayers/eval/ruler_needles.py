@@ -103,7 +103,7 @@ def question_attention(model, ids: torch.Tensor, spans: Sequence[dict], top: int
     for span in spans:
         value = torch.tensor(span["value_tokens"])
         answers.append({
-            "value_mass": [row[:, value].sum(-1).tolist() for row in rows],
+            "value_mass": [[round(m, 4) for m in row[:, value].sum(-1).tolist()] for row in rows],
             "value_ranked": [r[:, value].sum(-1).tolist() for r in ranked],
         })
     return answers
