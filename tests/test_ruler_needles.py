@@ -108,7 +108,7 @@ def test_question_attention_is_the_last_rows_attention_and_its_top_ranks(tok, bo
         value = span["value_tokens"]
         for layer, row in enumerate(reference):
             torch.testing.assert_close(torch.tensor(answer["value_mass"][layer]), row[:, value].sum(-1),
-                                       atol=1e-5, rtol=1e-4)
+                                       atol=1e-4, rtol=0)  # kept to 4 decimals
             for head in range(row.shape[0]):
                 # the head's top tokens by a full sort, only those it attends to at all
                 order = row[head].argsort(descending=True)[:top]
