@@ -209,7 +209,7 @@ def test_quantized_decode_matches_reference(case):
 def _wider_view(t):
     """``t``'s values in the first columns of a buffer twice as wide: last dim contiguous, other strides
     unlike ``t``'s."""
-    wide = torch.full((*t.shape[:-1], 2 * t.shape[-1]), float("nan"), dtype=t.dtype)
+    wide = torch.full((*t.shape[:-1], 2 * t.shape[-1]), float("nan"), dtype=t.dtype, device=t.device)
     wide[..., : t.shape[-1]] = t
     return wide[..., : t.shape[-1]]
 
@@ -218,12 +218,15 @@ def test_quantized_decode_reads_zero_points_by_their_own_strides():
     """Zero points laid out unlike the scales (as a compiled graph may hand them over): the kernel must
     not index them with the scales' strides."""
     query, packed, *rest = quantized_inputs(5, 37, 5, groups=2, bits=4, group=16, dtype=torch.float32)
-    moved = packed._replace(key_zero=_wider_view(packed.key_zero), value_zero=_wider_view(packed.value_zero))
-    assert moved.key_zero.stride() != packed.key_scale.stride() and moved.key_zero.stride(-1) == 1
+    # laid out on the kernels' device: moving a view with gaps there would make it dense again
+    on_kernel_device = to_device(packed)
+    moved = on_kernel_device._replace(key_zero=_wider_view(on_kernel_device.key_zero),
+                                      value_zero=_wider_view(on_kernel_device.value_zero))
+    assert moved.key_zero.stride() != moved.key_scale.stride() and moved.key_zero.stride(-1) == 1
     kwargs = dict(scaling=64**-0.5, softcap=None, sliding_window=None, gqa_reduce="sum", score_gain=None)
     with poisoned_empty():
-        got = on_cpu(quantized_decode_attention_with_mass_triton(*to_device((query, moved, *rest)), **kwargs,
-                                                                 need_mass=True))
+        got = on_cpu(quantized_decode_attention_with_mass_triton(to_device(query), moved, *to_device(tuple(rest)),
+                                                                 **kwargs, need_mass=True))
     want = quantized_decode_attention_with_mass(*reference_inputs((query, packed, *rest), torch.float32), **kwargs)
     assert_matches(got, want, torch.float32, mass_atol=1e-5)
 
