@@ -8,8 +8,8 @@ from evictlayers.modules import (
     ClusterSketch, DenseKV, HeavyHitterSelector, KCenterSelector, QuantizedKV, RecentWindow, SinkTokens,
 )
 from evictlayers.scoring import (
-    Averaged, Cumulative, KeyDiff, KeyNorm, LowScoreCounter, RecentThenCumulative, StepGainSoftmax, ValuePrior,
-    Windowed,
+    Averaged, CrossLayer, Cumulative, KeyDiff, KeyNorm, LowScoreCounter, RecentThenCumulative, StepGainSoftmax,
+    ValuePrior, Windowed,
 )
 
 __all__ = [
@@ -17,6 +17,7 @@ __all__ = [
     "ByLayerKind",
     "Induction",
     "CompileError",
+    "CrossLayer",
     "ClusterSketch",
     "Component",
     "Cumulative",

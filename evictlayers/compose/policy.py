@@ -15,6 +15,7 @@ from evictlayers.compose.selection import SelectorSet
 from evictlayers.core import Component
 from evictlayers.kernels import GQA_REDUCTIONS
 from evictlayers.modules import ClusterSketch, DenseKV, KCenterSelector, Protection, QuantizedKV, RecentWindow, Selector
+from evictlayers.scoring import CrossLayer
 
 STORAGES = (DenseKV, QuantizedKV)
 
@@ -138,6 +139,12 @@ class Policy(nn.Module):
         if isinstance(budget, int):
             self._check_fits(torch.tensor([budget]), where=f"budget={budget} tokens per head")
         self.sliding = None if sliding_modules is None else self._sliding_policy(sliding_modules)
+        ranked_by = {tuple(scorer.layers) for p in self.layer_policies for scorer in p._cross_layer_scorers()}
+        if len(ranked_by) > 1:
+            raise ValueError(
+                f"Policy holds CrossLayer scorers with different ranking layers {sorted(ranked_by)}; the model's "
+                "layers share one ranking, so give every CrossLayer the same layers"
+            )
 
     def _sliding_policy(self, modules: list[nn.Module] | tuple[nn.Module, ...]) -> Policy:
         """The sliding-window layers' policy: ``modules`` under this policy's other settings."""
@@ -152,6 +159,17 @@ class Policy(nn.Module):
     def for_layer(self, sliding: bool) -> Policy:
         """The policy a layer runs: ``sliding_modules``' for a sliding-window layer when given, else this one."""
         return self.sliding if sliding and self.sliding is not None else self
+
+    def _cross_layer_scorers(self) -> list[CrossLayer]:
+        members = self.selectors.members if self.selectors is not None else []
+        return [m.accumulator for m in members if isinstance(getattr(m, "accumulator", None), CrossLayer)]
+
+    @property
+    def cross_layer(self) -> CrossLayer | None:
+        """The ``CrossLayer`` scorer a selector of this policy (or of its sliding-window layers') ranks by:
+        the model's layers then share one ranking board (``compose/cross_layer.py``); ``None`` without."""
+        scorers = [scorer for p in self.layer_policies for scorer in p._cross_layer_scorers()]
+        return scorers[0] if scorers else None
 
     @property
     def layer_policies(self) -> tuple[Policy, ...]:

@@ -34,7 +34,7 @@ def _protected_view(policy: Policy, view: SlotView) -> SlotView:
     """``view`` with ``protected`` filled, for the selectors that read ``view.candidates``."""
     return SlotView(
         pos=view.pos, seen=view.seen, budget=view.budget, keys=view.keys, window=view.window,
-        protected=protected(policy, view),
+        protected=protected(policy, view), cross_layer=view.cross_layer,
     )
 
 

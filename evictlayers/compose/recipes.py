@@ -48,6 +48,7 @@ from evictlayers.modules import (
 )
 from evictlayers.scoring import (
     Averaged,
+    CrossLayer,
     Cumulative,
     KeyDiff,
     KeyNorm,
@@ -63,7 +64,7 @@ COMPONENTS: dict[str, type[Component]] = {
     for cls in (
         RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged, Uniform, Ramp, Pyramid, ByLayerKind,
         Induction, Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV, QuantizedKV, ClusterSketch,
-        RecentThenCumulative, KeyDiff, KeyNorm, KCenterSelector,
+        RecentThenCumulative, KeyDiff, KeyNorm, KCenterSelector, CrossLayer,
     )
 }
 # arguments a component no longer takes, with what replaced them (recipes written before keep failing clearly)

@@ -11,11 +11,13 @@ memory (H2O Appendix A).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
 
 from evictlayers.compose import ranking
+from evictlayers.compose.cross_layer import CrossLayerBoard
 from evictlayers.compose.decode_step import compiled_decode_step, decode_step
 from evictlayers.compose.eviction import choose_evicted, excess, release_evicted
 from evictlayers.compose.policy import Policy
@@ -67,6 +69,7 @@ class SlotStore:
     def __init__(
         self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False,
         rotary: RotaryTable | None = None, window: int | None = None, sliding_layers: frozenset[int] = frozenset(),
+        board: CrossLayerBoard | None = None,
     ):
         """``rotary``: the model's rotary table, which ``Policy(positions="rolling")`` needs (its keys are
         held un-rotated and rotated to their rank at every step; ``compose/positions.py``).
@@ -78,7 +81,11 @@ class SlotStore:
         is the first to be evicted.
 
         ``sliding_layers``: the indices of the model's sliding-window layers, for an allocation that weighs
-        layers by kind (``ByLayerKind``)."""
+        layers by kind (``ByLayerKind``).
+
+        ``board``: the ``CrossLayerBoard`` every layer of the model shares, for a policy holding ``CrossLayer``
+        (``EvictionCache`` makes it): a ranking layer publishes its last query row there, and a layer that
+        ranks by it waits for the last ranking layer at a multi-token step."""
         if rotary is not None and not isinstance(rotary, RotaryTable):
             raise TypeError(f"SlotStore(rotary={rotary!r}): expected a RotaryTable or None")
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
@@ -91,6 +98,15 @@ class SlotStore:
         self.sliding_layers = frozenset(sliding_layers)
         self.compile = compile
         self.rotary = rotary
+        if board is not None and not isinstance(board, CrossLayerBoard):
+            raise TypeError(f"SlotStore(board={board!r}): expected a CrossLayerBoard or None")
+        self.board = board
+        self.ranking_layer = board is not None and layer_idx in board.layers
+        if self.ranking_layer and policy.rows_needed < 1:
+            raise ValueError(
+                f"layer {layer_idx} is a CrossLayer ranking layer, so its policy must read the last query row; "
+                f"{policy!r} reads none (give this layer's policy the CrossLayer selector too)"
+            )
         self.most = 1  # the largest drop amount of any row, fixed with the budget at the first step
         self.kv = None  # the policy storage's slots (DenseSlots, QuantizedSlots), None until the first step
         self.pos: torch.Tensor | None = None
@@ -205,8 +221,10 @@ class SlotStore:
         """Forget every token, the sketch included: the next step starts the layer afresh."""
         self.__init__(
             self.policy, self.layer_idx, self.num_layers, compile=self.compile, rotary=self.rotary, window=self.window,
-            sliding_layers=self.sliding_layers,
+            sliding_layers=self.sliding_layers, board=self.board,
         )
+        if self.board is not None:
+            self.board.reset()
 
     # ---- one step ------------------------------------------------------------------------------
 
@@ -336,15 +354,32 @@ class SlotStore:
         self.seq_len += q_len
         view = SlotView(pos=pos, seen=self.seen, budget=self.budget, keys=keys, window=sliding_window)
         ranking.observe(self.policy, state, observation, view)
-        ranking.prepare(self.policy, state, view)
         if self.kv is None:
             slots = self.policy.storage.from_dense(keys, values, pos, layer=self.layer_idx)
         else:
             slots = self.kv.append(key, value, new_pos)
-        self._keep_best(slots, pos, state, view)
-        if self.policy.positions == "rolling":
-            self.ranks = slot_ranks(self.pos)
-        self.filled = self.seq_len if gapless and self._in_order(key, real) else None
+
+        def select(cross_layer: torch.Tensor | None = None) -> None:
+            selected = view if cross_layer is None else dataclasses.replace(view, cross_layer=cross_layer)
+            ranking.prepare(self.policy, state, selected)
+            self._keep_best(slots, pos, state, selected)
+            if self.policy.positions == "rolling":
+                self.ranks = slot_ranks(self.pos)
+            self.filled = self.seq_len if gapless and self._in_order(key, real) else None
+
+        if self.board is None:
+            select()
+            return out
+        self.board.begin(self.layer_idx)
+        if self.ranking_layer:
+            self.board.publish(self.layer_idx, attention.rows[:, :, -1], pos, self.seen)
+        if self.budget is None or self.policy.cross_layer is None:
+            select()
+        elif self.board.complete:
+            select(self.board.scores)
+        else:  # hold the whole step, as a full cache, until the last ranking layer has run
+            self.kv, self.pos, self.state, self.filled = slots, pos, state, None
+            self.board.wait(self.layer_idx, select)
         return out
 
     def _layer_budget(self, prompt_len: torch.Tensor, sliding_window: int | None) -> torch.Tensor | None:

@@ -6,6 +6,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, LinearAttentionLayer
 
 from evictlayers.compose import Policy, SlotStore
+from evictlayers.compose.cross_layer import CrossLayerBoard
 from evictlayers.compose.positions import RotaryTable
 from evictlayers.hf.support import ModelSupport
 
@@ -24,12 +25,15 @@ class EvictionLayer(CacheLayerMixin):
     def __init__(
         self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False,
         rotary: RotaryTable | None = None, window: int | None = None, sliding_layers: frozenset[int] = frozenset(),
+        board: CrossLayerBoard | None = None,
     ):
         """``window``: the layer's sliding window (``SlotStore``), ``None`` for full attention;
-        ``sliding_layers``: the indices of the model's sliding-window layers (``SlotStore``)."""
+        ``sliding_layers``: the indices of the model's sliding-window layers and ``board`` the ranking board
+        of a ``CrossLayer`` policy (``SlotStore``)."""
         super().__init__()
         self.store = SlotStore(
-            policy, layer_idx, num_layers, compile=compile, rotary=rotary, window=window, sliding_layers=sliding_layers
+            policy, layer_idx, num_layers, compile=compile, rotary=rotary, window=window, sliding_layers=sliding_layers,
+            board=board,
         )
         self.is_sliding = window is not None
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -110,10 +114,10 @@ class EvictionHybridLayer(LinearAttentionLayer, EvictionLayer):
     def __init__(
         self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False,
         rotary: RotaryTable | None = None, window: int | None = None, number_of_states: int = 1,
-        sliding_layers: frozenset[int] = frozenset(),
+        sliding_layers: frozenset[int] = frozenset(), board: CrossLayerBoard | None = None,
     ):
         EvictionLayer.__init__(self, policy, layer_idx, num_layers, compile=compile, rotary=rotary, window=window,
-                               sliding_layers=sliding_layers)
+                               sliding_layers=sliding_layers, board=board)
         LinearAttentionLayer.__init__(self, number_of_states=number_of_states)
 
     def lazy_initialization(self, *args, **kwargs) -> None:
@@ -159,6 +163,7 @@ class EvictionCache(Cache):
         sliding = frozenset() if support is None else frozenset(
             layer.index for layer in support.attention if layer.window is not None
         )
+        board = self._board(policy, num_layers, support)
         for index in range(num_layers):
             if support is not None and index in support.carried:
                 kind, kwargs = support.carried[index]
@@ -171,15 +176,31 @@ class EvictionCache(Cache):
                 if states is None:
                     layers.append(
                         EvictionLayer(layer_policy, index, num_layers, compile=compile, rotary=table, window=window,
-                                      sliding_layers=sliding)
+                                      sliding_layers=sliding, board=board)
                     )
                 else:
                     layers.append(EvictionHybridLayer(
                         layer_policy, index, num_layers, compile=compile, rotary=table, window=window,
-                        number_of_states=states, sliding_layers=sliding,
+                        number_of_states=states, sliding_layers=sliding, board=board,
                     ))
         super().__init__(layers=layers)
         self.policy = policy
+
+    @staticmethod
+    def _board(policy: Policy, num_layers: int, support: ModelSupport | None) -> CrossLayerBoard | None:
+        """The ranking board a ``CrossLayer`` policy's layers share; its ranking layers must attend through
+        evictlayers (not a hybrid model's recurrent or attention-free layers)."""
+        scorer = policy.cross_layer
+        if scorer is None:
+            return None
+        layers = scorer.resolve(num_layers)
+        carried = sorted(set(layers) & set(support.carried)) if support is not None else []
+        if carried:
+            raise ValueError(
+                f"CrossLayer(layers={scorer.layers}): layers {carried} of this model hold recurrent state or no "
+                f"attention cache, so they cannot rank tokens; pick attention layers (those not in {sorted(support.carried)})"
+            )
+        return CrossLayerBoard(layers)
 
     def stats(self) -> dict:
         """``{'kv_bytes', 'state_bytes', 'sketch_bytes', 'layers': [{'kind', 'bound', 'retained_tokens',

@@ -243,6 +243,9 @@ class HeavyHitterSelector(Selector):
     def forget(self, state: dict[str, torch.Tensor], keys: torch.Tensor, gone: torch.Tensor) -> None:
         self.accumulator.forget(state, keys, gone)
 
+    def prepare(self, state: dict[str, torch.Tensor], view: SlotView, count: torch.Tensor) -> None:
+        self.accumulator.prepare(state, view)
+
     def score(self, state: dict[str, torch.Tensor], view: SlotView) -> torch.Tensor:
         """``[B, H_kv, N]`` float32 ranking score (higher = keep) of each held slot."""
         score = self.accumulator.score(state, view).float()

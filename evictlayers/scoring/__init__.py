@@ -3,6 +3,7 @@ slots' keys, the softmax transform they score with, and per-slot priors."""
 
 from evictlayers.scoring.accumulator import ScoreAccumulator
 from evictlayers.scoring.averaged import Averaged
+from evictlayers.scoring.cross_layer import CrossLayer
 from evictlayers.scoring.cumulative import Cumulative
 from evictlayers.scoring.key_diff import KeyDiff
 from evictlayers.scoring.key_norm import KeyNorm
@@ -15,6 +16,7 @@ from evictlayers.scoring.windowed import Windowed
 
 __all__ = [
     "Averaged",
+    "CrossLayer",
     "Cumulative",
     "KeyDiff",
     "KeyNorm",

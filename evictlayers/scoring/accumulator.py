@@ -43,6 +43,10 @@ class ScoreAccumulator(Component):
         """The slots whose keys are ``keys`` ``[B, H_kv, n, D]`` leave where ``gone`` ``[B, H_kv, n]``:
         update per-head state that sums over the held slots (a no-op for per-slot state)."""
 
+    def prepare(self, state: dict[str, torch.Tensor], view: SlotView) -> None:
+        """After a multi-token step, before the slot store keeps each head's best slots: state the
+        selection reads that ``update`` could not fill (``CrossLayer``'s score from other layers)."""
+
     def score(self, state: dict[str, torch.Tensor], view: SlotView) -> torch.Tensor:
         """``[B, H_kv, N]`` float importance of each slot."""
         raise NotImplementedError

@@ -22,6 +22,8 @@ class SlotView:
             ``None`` for a full-attention layer.
         protected: ``[B, H_kv, N]`` bool, the slots a protection (``RecentWindow``, ``SinkTokens``) holds,
             filled by the policy for the selectors that read ``candidates``; ``None`` elsewhere.
+        cross_layer: ``[B, P]`` float32 score of each original position ``< P`` from the ranking layers'
+            last query (``CrossLayer``), given to a multi-token step's selection; ``None`` elsewhere.
     """
 
     pos: torch.Tensor
@@ -30,6 +32,7 @@ class SlotView:
     keys: torch.Tensor | None = None
     window: int | None = None
     protected: torch.Tensor | None = None
+    cross_layer: torch.Tensor | None = None
 
     @property
     def valid(self) -> torch.Tensor:
