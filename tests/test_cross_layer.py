@@ -195,3 +195,19 @@ def test_the_recipe_round_trips(tmp_path):
     path = tmp_path / "cross.yaml"
     el.dump_recipe(policy, path)
     assert el.load_recipe(path) == policy
+
+
+def test_generated_tokens_outrank_the_prompt_tokens():
+    """While generating, each step gives up the lowest-ranked prompt token, never a generated one: after 3
+    steps a budget of 8 holds the sink, the ranking layer's top 4 prompt tokens and the 3 generated tokens."""
+    model = four_layer_llama()
+    ids, mask = left_padded([20])
+    weights = reference_attention(model, ids, mask)
+    policy = el.Policy(el.SinkTokens(1), el.HeavyHitterSelector(el.CrossLayer([2])), budget=8, gqa_reduce="max")
+    with torch.no_grad(), el.apply(model, policy) as run:
+        cache = run.new_cache()
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for token in (7, 8, 9):
+            model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
+    expected = {0} | top_positions(weights[2][0].amax(0), 4, {0}) | {20, 21, 22}
+    assert all(h == expected for layer in held_by_layer(cache) for h in layer)

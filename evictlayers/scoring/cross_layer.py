@@ -25,12 +25,19 @@ class CrossLayer(ScoreAccumulator):
     tokens), several ranking layers and heads combined by their maximum (a token one retrieval head reads
     is not outvoted), and the ranking layers are chosen on a tuning split rather than early in the model.
 
-    ``layers``: the ranking layers' indices (negative ones count from the end, as Python's do). A layer
-    before the last of them cannot evict until they have run, so at a multi-token step it holds its whole
-    step (as transformers' own cache does) until then: the prefill's peak memory is the full cache of
-    those layers. The slot store fills the score at each multi-token step (``SlotView.cross_layer``);
-    tokens arriving at a one-token step score 0, so while generating the layer's other selectors decide
-    what they keep.
+    ``layers``: the ranking layers' indices (negative ones count from the end, as Python's do). Which layers
+    read a model's answers is the model's own: ``evictlayers needles full --task ruler --split tuning`` prints,
+    per layer, the share of query heads whose last-query attention ranks an answer's value whole
+    (SmolLM2-135M: layers 21 and 22; RazorAttention's induction layers, 17, 18 and 23, rank far worse
+    there, docs/benchmarks.md). A layer before the last of them cannot evict until they have run, so at a
+    multi-token step it holds its whole step (as transformers' own cache does) until then: the prefill's
+    peak memory is the full cache of those layers. The slot store fills the score at each multi-token step (``SlotView.cross_layer``).
+
+    A token that arrives at a one-token step (a generated token) scores 1, the most attention a query can
+    give one token, so while generating a layer gives up its lowest-ranked prompt tokens before any of the
+    text it is writing, as GemFilter generates with every generated token held: a list the model is writing
+    out (several values, several keys' answers) stays whole. In a stream fed one token at a time every token
+    scores 1, and the oldest unprotected one goes first (what a recent window keeps).
     """
 
     param_names = ("layers",)
@@ -63,8 +70,12 @@ class CrossLayer(ScoreAccumulator):
             raise ValueError(f"CrossLayer(layers={self.layers}): names a layer twice in a {num_layers}-layer model")
         return tuple(resolved)
 
+    GENERATED = 1.0  # a generated token's score: no prompt token can be given more
+
     def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
-        """Nothing per layer: the ranking layers' rows reach every layer through ``prepare``."""
+        """Every new token scores ``GENERATED``; at a multi-token step ``prepare`` then gives each held token
+        the ranking layers' score."""
+        state["cross_layer"].scatter_(2, observation.inserted, self.GENERATED)
 
     def prepare(self, state: dict[str, torch.Tensor], view: SlotView) -> None:
         if view.cross_layer is None:
