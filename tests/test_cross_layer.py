@@ -211,3 +211,19 @@ def test_generated_tokens_outrank_the_prompt_tokens():
             model(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True)
     expected = {0} | top_positions(weights[2][0].amax(0), 4, {0}) | {20, 21, 22}
     assert all(h == expected for layer in held_by_layer(cache) for h in layer)
+
+
+def test_a_ranking_layer_that_holds_recurrent_state_is_refused():
+    """Jamba's layers 0 and 2 are Mamba layers: their cache holds no keys to rank by."""
+    from architecture_sweep import tiny_model
+
+    model = tiny_model("jamba")
+    policy = el.Policy(el.HeavyHitterSelector(el.CrossLayer([0])), budget=5)
+    with el.apply(model, policy) as run, pytest.raises(ValueError, match=r"layers \[0\] of this model hold recurrent"):
+        run.new_cache()
+    policy = el.Policy(el.SinkTokens(1), el.HeavyHitterSelector(el.CrossLayer([3])), budget=5)
+    ids, mask = left_padded([12])
+    with torch.no_grad(), el.apply(model, policy) as run:
+        cache = run.new_cache()
+        model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert [layer["retained_tokens"] for layer in cache.stats()["layers"]] == [0, 5, 0, 5]

@@ -11,8 +11,8 @@ import torch
 import evictlayers as el
 from evictlayers.cli import main
 from evictlayers.eval.ruler_needles import (
-    dump_ruler_prompt, markdown, needle_spans, profile, question_attention, question_profile, run_ruler_needles,
-    summarize_answers, summarize_question,
+    dump_ruler_prompt, markdown, needle_spans, profile, question_attention, question_profile, ranking_layers,
+    run_ruler_needles, summarize_answers, summarize_question,
 )
 from evictlayers.eval.suite import RulerTask
 from evictlayers.eval.tasks.ruler import ruler_samples
@@ -140,6 +140,14 @@ def test_question_summary_and_profile_count_heads_by_hand():
     assert [question_profile(a["value_ranked"], a["value_tokens"]) for a in answers] == ["#+", ".#", ".."]
 
 
+def test_ranking_layers_are_those_with_at_least_half_the_largest_share():
+    # SmolLM2's tuning dump, rounded: layers 21 and 22 lead (45% and 36%), layer 18 has 14%
+    shares = [0.0] * 18 + [0.14, 0.09, 0.10, 0.45, 0.36, 0.10] + [0.05] * 6
+    assert ranking_layers(shares) == [21, 22]
+    assert ranking_layers([0.2, 0.1, 0.1]) == [0, 1, 2]
+    assert ranking_layers([0.0, 0.0]) == [] and ranking_layers([]) == []
+
+
 def test_summary_counts_answers_heads_and_layers():
     def answer(found, value_held, key_held):
         return {"found": found, "value_tokens": 2, "key_tokens": 1, "value_held": value_held, "key_held": key_held}
@@ -179,6 +187,8 @@ def test_run_dumps_every_recipe_and_task_and_refuses_tasks_without_needles(tok, 
             for a, held in zip(q["answers"], r["answers"]):
                 assert held["question_whole"] == any(c == a["value_tokens"] for layer in a["value_ranked"] for c in layer)
     assert "| niah_single_2 | 1 |" in markdown(payload)
+    shares = payload["question_summary"]["all"]["whole_per_layer"]
+    assert f"`CrossLayer(layers={ranking_layers(shares)})`" in markdown(payload)
     assert profile([[2, 2], [2, 1], [0, 0]], 2) == "#+."
     with pytest.raises(ValueError, match="vt are not"):
         run_ruler_needles(model, tok, ["full"], 0.2, RulerTask(tok, tasks=["vt"], lengths=[600], samples=1))

@@ -250,6 +250,13 @@ def question_profile(ranked: list[list[int]], tokens: int) -> str:
     return "".join("#" if any(c == tokens for c in layer) else "+" if any(layer) else "." for layer in ranked)
 
 
+def ranking_layers(shares: list[float]) -> list[int]:
+    """The layers whose share of query heads ranking an answer's value whole is at least half the largest
+    share (``[]`` when no head ranks one): the ranking layers to try in ``CrossLayer(layers=...)``."""
+    top = max(shares, default=0.0)
+    return [layer for layer, share in enumerate(shares) if top > 0 and share >= top / 2]
+
+
 def profile(held: list[list[int]], tokens: int) -> str:
     """One character per layer: ``#`` every KV head holds all ``tokens``, ``+`` some are held, ``.`` none."""
     return "".join("#" if all(c == tokens for c in layer) else "+" if any(layer) else "." for layer in held)
@@ -299,8 +306,11 @@ def markdown(payload: dict) -> str:
         share = "-" if r["head_share"] is None else f"{100 * r['head_share']:.1f}%"
         mass = "-" if r["largest_mass"] is None else f"{r['largest_mass']:.3f}"
         lines.append(f"| {task} | {r['answers']} | {r['whole_somewhere']}/{r['answers']} | {share} | {mass} |")
+    per_layer = payload["question_summary"]["all"]["whole_per_layer"]
     lines += ["", "Share of query heads ranking the whole value, per layer, % (layer 0 first): "
-              + " ".join(f"{round(100 * x)}" for x in payload["question_summary"]["all"]["whole_per_layer"])]
+              + " ".join(f"{round(100 * x)}" for x in per_layer)]
+    lines += ["", "Layers with at least half the largest share (ranking layers to try, on a tuning split only): "
+              f"`CrossLayer(layers={ranking_layers(per_layer)})`"]
     lines += ["", "Per prompt and answer, one character per layer (layer 0 first): `#` some query head ranks the whole "
               "value, `+` part of it, `.` none:", ""]
     for q in payload["question"]:

@@ -198,7 +198,8 @@ class EvictionCache(Cache):
         if carried:
             raise ValueError(
                 f"CrossLayer(layers={scorer.layers}): layers {carried} of this model hold recurrent state or no "
-                f"attention cache, so they cannot rank tokens; pick attention layers (those not in {sorted(support.carried)})"
+                "attention cache, so they cannot rank tokens; pick attention layers (those not in "
+                f"{sorted(support.carried)})"
             )
         return CrossLayerBoard(layers)
 

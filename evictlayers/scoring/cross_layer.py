@@ -27,11 +27,12 @@ class CrossLayer(ScoreAccumulator):
 
     ``layers``: the ranking layers' indices (negative ones count from the end, as Python's do). Which layers
     read a model's answers is the model's own: ``evictlayers needles full --task ruler --split tuning`` prints,
-    per layer, the share of query heads whose last-query attention ranks an answer's value whole
-    (SmolLM2-135M: layers 21 and 22; RazorAttention's induction layers, 17, 18 and 23, rank far worse
-    there, docs/benchmarks.md). A layer before the last of them cannot evict until they have run, so at a
-    multi-token step it holds its whole step (as transformers' own cache does) until then: the prefill's
-    peak memory is the full cache of those layers. The slot store fills the score at each multi-token step (``SlotView.cross_layer``).
+    per layer, the share of query heads whose last-query attention ranks an answer's value whole, and the
+    layers with at least half the largest share (SmolLM2-135M: layers 21 and 22; RazorAttention's induction
+    layers, 17, 18 and 23, rank far worse there, docs/benchmarks.md). A layer before the last of them cannot
+    evict until they have run, so at a multi-token step it holds its whole step (as transformers' own cache
+    does) until then: the prefill's peak memory is the full cache of those layers. The slot store fills the
+    score at each multi-token step (``SlotView.cross_layer``).
 
     A token that arrives at a one-token step (a generated token) scores 1, the most attention a query can
     give one token, so while generating a layer gives up its lowest-ranked prompt tokens before any of the
