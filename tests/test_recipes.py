@@ -58,6 +58,8 @@ def _normalised(recipe: dict) -> dict:
     for key in ("allocation", "storage"):
         out[key] = _normalised_component(out[key])
     out["modules"] = [_normalised_component(m) for m in out.get("modules") or []]
+    if out.get("sliding_modules") is not None:
+        out["sliding_modules"] = [_normalised_component(m) for m in out["sliding_modules"]]
     return out
 
 
