@@ -179,6 +179,16 @@ def test_a_ranking_layer_whose_policy_reads_no_query_row_is_refused():
         el.SlotStore(el.Policy(el.RecentWindow(), budget=4), layer_idx=1, num_layers=3, board=CrossLayerBoard((1,)))
 
 
+def test_each_layer_policy_answers_for_its_own_selectors():
+    """Only the sliding-window layers rank by other layers here: the full-attention layers never wait."""
+    policy = el.Policy(
+        el.HeavyHitterSelector(el.Windowed(rows=1)), budget=5,
+        sliding_modules=[el.HeavyHitterSelector(el.CrossLayer([1]))],
+    )
+    assert policy.cross_layer is None and policy.sliding.cross_layer == el.CrossLayer([1])
+    assert el.EvictionCache(policy, num_layers=LAYERS).layers[0].store.board.layers == {1}
+
+
 def test_the_sliding_layers_must_rank_by_the_same_layers():
     with pytest.raises(ValueError, match="different ranking layers"):
         el.Policy(

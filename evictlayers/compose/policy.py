@@ -139,7 +139,7 @@ class Policy(nn.Module):
         if isinstance(budget, int):
             self._check_fits(torch.tensor([budget]), where=f"budget={budget} tokens per head")
         self.sliding = None if sliding_modules is None else self._sliding_policy(sliding_modules)
-        ranked_by = {tuple(scorer.layers) for p in self.layer_policies for scorer in p._cross_layer_scorers()}
+        ranked_by = {tuple(p.cross_layer.layers) for p in self.layer_policies if p.cross_layer is not None}
         if len(ranked_by) > 1:
             raise ValueError(
                 f"Policy holds CrossLayer scorers with different ranking layers {sorted(ranked_by)}; the model's "
@@ -160,15 +160,13 @@ class Policy(nn.Module):
         """The policy a layer runs: ``sliding_modules``' for a sliding-window layer when given, else this one."""
         return self.sliding if sliding and self.sliding is not None else self
 
-    def _cross_layer_scorers(self) -> list[CrossLayer]:
-        members = self.selectors.members if self.selectors is not None else []
-        return [m.accumulator for m in members if isinstance(getattr(m, "accumulator", None), CrossLayer)]
-
     @property
     def cross_layer(self) -> CrossLayer | None:
-        """The ``CrossLayer`` scorer a selector of this policy (or of its sliding-window layers') ranks by:
-        the model's layers then share one ranking board (``compose/cross_layer.py``); ``None`` without."""
-        scorers = [scorer for p in self.layer_policies for scorer in p._cross_layer_scorers()]
+        """The ``CrossLayer`` scorer a selector of this policy ranks by (the first, where several do: they name
+        the same layers), ``None`` without; the model's layers then share one ranking board
+        (``compose/cross_layer.py``). The sliding-window layers' policy answers for itself."""
+        members = self.selectors.members if self.selectors is not None else []
+        scorers = [m.accumulator for m in members if isinstance(getattr(m, "accumulator", None), CrossLayer)]
         return scorers[0] if scorers else None
 
     @property

@@ -190,9 +190,10 @@ class EvictionCache(Cache):
     def _board(policy: Policy, num_layers: int, support: ModelSupport | None) -> CrossLayerBoard | None:
         """The ranking board a ``CrossLayer`` policy's layers share; its ranking layers must attend through
         evictlayers (not a hybrid model's recurrent or attention-free layers)."""
-        scorer = policy.cross_layer
-        if scorer is None:
+        scorers = [p.cross_layer for p in policy.layer_policies if p.cross_layer is not None]
+        if not scorers:
             return None
+        scorer = scorers[0]  # every one names the same layers (Policy checks)
         layers = scorer.resolve(num_layers)
         carried = sorted(set(layers) & set(support.carried)) if support is not None else []
         if carried:
