@@ -6,6 +6,7 @@ call them, and ``compose/eviction.py`` turns the ranking into the slots each hea
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -32,10 +33,7 @@ def selectable(policy: Policy, budget: torch.Tensor) -> torch.Tensor:
 
 def _protected_view(policy: Policy, view: SlotView) -> SlotView:
     """``view`` with ``protected`` filled, for the selectors that read ``view.candidates``."""
-    return SlotView(
-        pos=view.pos, seen=view.seen, budget=view.budget, keys=view.keys, window=view.window,
-        protected=protected(policy, view), cross_layer=view.cross_layer,
-    )
+    return dataclasses.replace(view, protected=protected(policy, view))
 
 
 def observe(policy: Policy, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
