@@ -30,7 +30,7 @@ class CrossLayerBoard:
         """Forget the current step: scores, what was published, and who waits."""
         self.scores: torch.Tensor | None = None  # [B, P] float32, P = the most real tokens any row has seen
         self.published: set[int] = set()
-        self.waiting: list[tuple[int, Callable[[torch.Tensor], None]]] = []
+        self.waiting: dict[int, Callable[[torch.Tensor], None]] = {}  # layer index -> what finishes its step
 
     @property
     def complete(self) -> bool:
@@ -66,15 +66,15 @@ class CrossLayerBoard:
         self.published.add(layer_idx)
         if self.complete:
             self.scores = self.scores[:, :width]
-            waiting, self.waiting = self.waiting, []
-            for _, finish in waiting:
+            waiting, self.waiting = self.waiting, {}
+            for finish in waiting.values():
                 finish(self.scores)
 
     def wait(self, layer_idx: int, finish: Callable[[torch.Tensor], None]) -> None:
         """Layer ``layer_idx`` holds its step until the scores are complete, then ``finish(scores)`` ranks it."""
-        if any(index == layer_idx for index, _ in self.waiting):
+        if layer_idx in self.waiting:
             raise RuntimeError(
                 f"CrossLayer: layer {layer_idx} ran a second multi-token step before the ranking layers "
                 f"{sorted(self.layers - self.published)} ran the first"
             )
-        self.waiting.append((layer_idx, finish))
+        self.waiting[layer_idx] = finish
