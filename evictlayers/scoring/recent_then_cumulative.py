@@ -55,6 +55,9 @@ class RecentThenCumulative(ScoreAccumulator):
     """
 
     param_names = ("rows", "prefill_prior")
+    # a prompt is scored by its last rows and a generated row is the one-token step's only row, so no
+    # step needs the summed mass: the prefill takes the fused attention for every other prompt row
+    reads_mass = False
 
     def __init__(self, rows: int = 32, prefill_prior: ScorePrior | None = None):
         super().__init__()
@@ -93,8 +96,8 @@ class RecentThenCumulative(ScoreAccumulator):
                 prior_state = self._prior_state(state)
                 self.prefill_prior.update(prior_state, observation, view)
                 state["prefill_weight"].copy_(self.prefill_prior.weight(prior_state, view))
-        else:  # a generated row (zero mass for a padding token)
-            state["generated"] += observation.mass
+        else:  # a generated row: the step's only query row (all zero for a padding token)
+            state["generated"] += observation.rows[:, :, -1]
 
     def prefill_score(self, state: dict[str, torch.Tensor]) -> torch.Tensor:
         """``[B, H, N]`` ``F_hat_s``: the prompt's last rows, weighted by the prior if there is one."""
