@@ -2,10 +2,10 @@
 
 ``hf-sdpa`` (baseline) is the unmodified model with SDPA attention; ``el-h2o`` runs the same prompt
 under ``evictlayers/recipes/h2o.yaml`` (20%), whose prefill also computes every key's attention mass and
-keeps 20% of the tokens; ``el-ahakv`` scores with AhaKV's SG-softmax (the mass of ``softmax(gain *
-logits)``, a second normaliser per row); ``el-streaming_llm`` (no scorer) and ``el-keydiff`` (keys only) read
-no attention mass, so their prefill is the flash pass alone (plus KeyDiff's cosines). All compute the
-last position's logits only, as ``generate()``.
+keeps 20% of the tokens; ``el-ahakv`` scores the prompt by its last 32 rows under AhaKV's SG-softmax;
+``el-streaming_llm`` (no scorer) and ``el-keydiff`` (keys only) read no attention rows at all. The last three
+read no summed mass, so every other row goes through the fused flash pass (plus KeyDiff's cosines).
+All compute the last position's logits only, as ``generate()``.
 
 Every measurement runs in a fresh process (forked from a fork server that has imported torch,
 transformers and evictlayers, so a process costs no import time): it loads the model, builds the
@@ -32,7 +32,7 @@ USES_MODEL = True
 BASELINE = "hf-sdpa"
 DEFAULT_REPEATS = 1  # a 16k prefill takes minutes on 2 cores; --repeats N runs N processes per config
 CONFIGS = ("hf-sdpa", "el-h2o", "el-ahakv", "el-streaming_llm", "el-keydiff")
-SCORED = ("el-h2o", "el-ahakv")  # the configurations whose prefill computes attention mass
+SCORED = ("el-h2o",)  # the configurations whose prefill computes every key's attention mass
 LOAD_S = 5.0  # loading the model in a fresh process, for the estimate only
 
 

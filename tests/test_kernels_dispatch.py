@@ -186,10 +186,13 @@ def test_skipping_the_mass_changes_no_shipped_recipe(recipe, monkeypatch):
 
 
 def test_which_policies_read_the_mass():
-    assert el.load_recipe("h2o").reads_mass and el.load_recipe("ahakv").reads_mass
+    """Cumulative and averaged attention sum every row; AhaKV's prefill reads its last rows and a generated
+    row is the one-token step's only row (Algorithm 1 lines 8 and 27)."""
+    assert el.load_recipe("h2o").reads_mass and el.load_recipe("h2o_averaged").reads_mass
     assert not any(el.load_recipe(r).reads_mass for r in ("streaming_llm", "local", "full", "keydiff", "knorm",
                                                            "tova", "snapkv", "scissorhands", "tova_keydiff",
-                                                           "tova_keydiff_chunked", "tova_keydiff_induction"))
+                                                           "tova_keydiff_chunked", "tova_keydiff_induction",
+                                                           "ahakv", "ahakv_windowed"))
 
 
 def test_what_a_decode_step_of_each_shipped_recipe_reads():
