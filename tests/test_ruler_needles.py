@@ -187,8 +187,12 @@ def test_run_dumps_every_recipe_and_task_and_refuses_tasks_without_needles(tok, 
             for a, held in zip(q["answers"], r["answers"]):
                 assert held["question_whole"] == any(c == a["value_tokens"] for layer in a["value_ranked"] for c in layer)
     assert "| niah_single_2 | 1 |" in markdown(payload)
-    shares = payload["question_summary"]["all"]["whole_per_layer"]
-    assert f"`CrossLayer(layers={ranking_layers(shares)})`" in markdown(payload)
+    # the suggested ranking layers: those with at least half the largest share; with no head ranking a value
+    # whole, none (not CrossLayer(layers=[]), which CrossLayer refuses)
+    payload["question_summary"]["all"]["whole_per_layer"] = [0.5, 0.1]
+    assert "`CrossLayer(layers=[0])`" in markdown(payload)
+    payload["question_summary"]["all"]["whole_per_layer"] = [0.0, 0.0]
+    assert "CrossLayer(layers=" not in markdown(payload) and "none: no query head ranks" in markdown(payload)
     assert profile([[2, 2], [2, 1], [0, 0]], 2) == "#+."
     with pytest.raises(ValueError, match="vt are not"):
         run_ruler_needles(model, tok, ["full"], 0.2, RulerTask(tok, tasks=["vt"], lengths=[600], samples=1))

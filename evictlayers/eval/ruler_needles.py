@@ -309,8 +309,11 @@ def markdown(payload: dict) -> str:
     per_layer = payload["question_summary"]["all"]["whole_per_layer"]
     lines += ["", "Share of query heads ranking the whole value, per layer, % (layer 0 first): "
               + " ".join(f"{round(100 * x)}" for x in per_layer)]
+    layers = ranking_layers(per_layer)
     lines += ["", "Layers with at least half the largest share (ranking layers to try, on a tuning split only): "
-              f"`CrossLayer(layers={ranking_layers(per_layer)})`"]
+              + (f"`CrossLayer(layers={layers})`" if layers else
+                 "none: no query head ranks an answer's whole value, so no score read from the question's last "
+                 "token keeps these values whole")]
     lines += ["", "Per prompt and answer, one character per layer (layer 0 first): `#` some query head ranks the whole "
               "value, `+` part of it, `.` none:", ""]
     for q in payload["question"]:
