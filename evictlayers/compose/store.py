@@ -429,9 +429,10 @@ class SlotStore:
         """Whether the next one-token step runs ``decode_step`` on the slot buffers as they are: the buffers
         exist (a first step allocated them), a budget or window bounds the layer (so they never grow) and
         the step may be compiled on this device. A whole model's decode forward can then be one compiled
-        graph (``hf/compiled_forward.py``)."""
+        graph (``hf/compiled_forward.py``). Not with a ClusterSketch: its coin table is remade every few
+        steps (``_step_coins``), a branch that would compile the whole model twice more."""
         return (
-            self.kv is not None and self.budget is not None and self.filled is None
+            self.kv is not None and self.budget is not None and self.filled is None and self.sketch is None
             and (self.pos.device.type != "cuda" or self.kv.compiles_on_cuda)
         )
 

@@ -2,7 +2,7 @@
 
 Compiling each layer's decode step alone leaves, at every layer of every step, transformers' eager module
 stack around it (norms, projections, rotary embedding, MLP, a few dozen Python calls) and the compiled
-graph's own call (dynamo's guards, ~0.4 ms). On a small model those cost more than the weights take to read.
+graph's own call (dynamo's guards, ~0.4 ms). On a small model they cost about as much as reading the weights.
 ``CompiledDecodeForward`` stands in for the model's ``forward`` while the patch is active and sends each
 one-token forward whose cache decodes in place at every layer (``SlotStore.decodes_in_place``: a budget
 or a window bounds every attention layer, so its buffers never grow) through one
@@ -10,9 +10,9 @@ or a window bounds every attention layer, so its buffers never grow) through one
 (``compose/decode_step.py``) are traced inline, so a step pays the guards and a graph call once.
 
 Everything else takes the model's ``forward`` eagerly, with each layer's decode step compiled as before:
-prefill (its shapes change with every prompt), the steps of a cache that may grow (an unbounded layer),
-a hybrid model's recurrent layers (transformers' own code, not evictlayers'), and a storage that does not
-compile on CUDA (the store refuses it with ``CompileError``).
+prefill (its shapes change with every prompt), the steps of a cache that may grow (an unbounded layer)
+or holds a ClusterSketch, a hybrid model's recurrent layers (transformers' own code, not evictlayers'),
+and a storage that does not compile on CUDA (the store refuses it with ``CompileError``).
 """
 
 from __future__ import annotations
