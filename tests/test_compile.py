@@ -1,4 +1,4 @@
-"""The compiled decode step: one graph, no recompiles as the sequence grows, the same numbers as eager.
+"""The compiled decode: no recompiles as the sequence grows, the same numbers as eager.
 
 The reference is the eager decode step (the same function run without ``torch.compile``), whose
 behaviour the rest of the suite pins against the unmodified model and the papers' algorithms; the
@@ -82,8 +82,9 @@ def test_one_graph_no_recompiles_same_logits_as_eager(name):
     torch._dynamo.reset()
     counters.clear()
     compiled, stats = decode_logits(model, policy, compile=True)
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
-    assert sum(counters["recompiles"].values()) == 0, dict(counters["recompiles"])
+    # the whole decode forward (hf/compiled_forward.py): the first step's graph holds the step count as a
+    # constant, the second is generic over it, and no step after compiles another
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     assert stats == eager_stats
     budget_rows = [10, 10] if name.startswith("h2o") else [10, 7]  # 0.5 of each row's prompt, rounded half up
@@ -103,10 +104,10 @@ def test_shipped_recipes_compile_without_recompiles(recipe):
     torch._dynamo.reset()
     counters.clear()
     compiled, _ = decode_logits(model, policy, compile=True, steps=100)
-    # a full cache grows between steps, and a per-layer allocation (scissorhands' Ramp) gives the layers
-    # different slot counts: automatic dynamic shapes allow one more, shape-generic graph, never one per size
-    sizes_vary = recipe == "full" or not isinstance(policy.allocation, el.Uniform)
-    assert counters["stats"]["unique_graphs"] <= (2 if sizes_vary else 1), dict(counters["stats"])
+    # a bounded cache decodes through the whole forward's graph (a first one specialised on the step count,
+    # then a generic one); a full cache grows between steps, and automatic dynamic shapes give its layers'
+    # steps one more, shape-generic graph: never one per size
+    assert counters["stats"]["unique_graphs"] <= 2, dict(counters["stats"])
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
 
 
@@ -122,5 +123,5 @@ def test_untraceable_component_names_itself():
     model = build("llama")
     policy = el.Policy(el.RecentWindow(2), el.HeavyHitterSelector(BranchingCumulative()), budget=8)
     torch._dynamo.reset()
-    with pytest.raises(CompileError, match=r"(?s)layer 0 .*BranchingCumulative"):
+    with pytest.raises(CompileError, match=r"(?s)decode forward of LlamaForCausalLM .*BranchingCumulative"):
         decode_logits(model, policy, compile=True, steps=2)

@@ -89,7 +89,8 @@ def test_cuda_compiled_step_is_one_graph_with_the_eager_logits():
     torch._dynamo.reset()
     counters.clear()
     compiled, stats = decode_logits(build("llama"), POLICIES["h2o"](), "cuda", compile=True)
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    # the whole decode forward: the first step's graph, then one generic over the step count
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
     assert sum(counters["recompiles"].values()) == 0, dict(counters["recompiles"])
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     assert stats == eager_stats

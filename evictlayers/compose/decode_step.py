@@ -159,13 +159,18 @@ def compiled_decode_step() -> Callable:
     """
     global _COMPILED
     if _COMPILED is None:
-        # every policy structure (accumulator, prior, storage, sketch, drop path, positions) and every
-        # batch/slot shape class is a graph of this one function; a process that runs many policies (an
-        # evaluation, the benchmarks) passes dynamo's default of 8, where fullgraph=True fails hard; the
-        # overhead benchmark alone (nine configurations, three slot counts, two batch sizes) needs more than 64
-        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
+        raise_recompile_limit()
         _COMPILED = torch.compile(decode_step, fullgraph=True, dynamic=None, options={"emulate_precision_casts": True})
     return _COMPILED
+
+
+def raise_recompile_limit() -> None:
+    """Let a process compile many decode graphs. Every policy structure (accumulator, prior, storage, sketch,
+    drop path, positions) and every batch/slot shape class is a graph of the compiled step (or of a compiled
+    decode forward); a process that runs many policies (an evaluation, the benchmarks) passes dynamo's
+    default of 8, where fullgraph=True fails hard; the overhead benchmark alone (nine configurations, three
+    slot counts, two batch sizes) needs more than 64."""
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
 
 
 _COMPILED: Callable | None = None

@@ -425,6 +425,17 @@ class SlotStore:
         self.last_sentence_end = through[:, -1]
         return before + 1
 
+    def decodes_in_place(self) -> bool:
+        """Whether the next one-token step runs ``decode_step`` on the slot buffers as they are: the buffers
+        exist (a first step allocated them), a budget or window bounds the layer (so they never grow) and
+        the step may be compiled on this device. A whole model's decode forward can then be one compiled
+        graph (``hf/compiled_forward.py``). Not with a ClusterSketch: its coin table is remade every few
+        steps (``_step_coins``), a branch that would compile the whole model twice more."""
+        return (
+            self.kv is not None and self.budget is not None and self.filled is None and self.sketch is None
+            and (self.pos.device.type != "cuda" or self.kv.compiles_on_cuda)
+        )
+
     def _decode(self, query, key, value, real, **attention_kwargs) -> torch.Tensor:
         """One token per row into the fixed slot buffers (``decode_step``, compiled when asked)."""
         if self.budget is None and self.seq_len + 1 > self.capacity:
@@ -441,7 +452,8 @@ class SlotStore:
                 f"{self.policy.storage!r}: inductor's build of it gives other logits than the same step run "
                 "eagerly. Run it with compile=False (the Triton kernels still attend from the codes)"
             )
-        step = compiled_decode_step() if self.compile else decode_step
+        # inside a compiled whole forward the step is traced inline with the rest of the model
+        step = compiled_decode_step() if self.compile and not torch.compiler.is_compiling() else decode_step
         table = None
         if self.policy.positions == "rolling":  # ranks stay below the capacity
             table = self.rotary.rows(self.capacity, key.device, key.dtype)

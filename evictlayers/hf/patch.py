@@ -19,6 +19,7 @@ from evictlayers.compose import Induction, Policy
 from evictlayers.compose.positions import RotaryTable
 from evictlayers.hf import attention, versions
 from evictlayers.hf.cache import EvictionCache, EvictionLayer
+from evictlayers.hf.compiled_forward import CompiledDecodeForward
 from evictlayers.hf.induction import induction_scores
 from evictlayers.hf.rotary import model_rotary_tables
 from evictlayers.hf.sentences import sentence_end_table
@@ -27,6 +28,7 @@ from evictlayers.kernels.decode import slots_cpu
 from evictlayers.kernels.prefill import mass_cpu
 
 _EVICTING_CLASSES: dict[type, type] = {}
+_ABSENT = object()  # the model had no forward of its own (instance attribute) before the patch
 
 
 def _evicting_class(cls: type) -> type:
@@ -84,7 +86,9 @@ class EvictionRun:
         self.num_layers = self.support.num_layers
         self.rotary: dict[int, RotaryTable] | None = None
         self.cache: EvictionCache | None = None
-        self._padding: torch.Tensor | None = None
+        self.padding: torch.Tensor | None = None
+        self.step_tokens: int | None = None  # tokens per row of the current forward (its input's second dim)
+        self.in_compiled_forward = False  # set by CompiledDecodeForward while its graph runs
         self._implementation = attention_implementation(model, self.support, attention.ATTENTION_NAME)
         self._hooks = []
         self._captured: dict | None = None  # set while the rolling probe records what each layer attends with
@@ -110,6 +114,11 @@ class EvictionRun:
                 signature = inspect.signature(module.forward)
                 hook = module.register_forward_pre_hook(self._hook(signature), with_kwargs=True)
                 self._hooks.append(hook)
+        if self.compile:
+            # an instance attribute shadows the class's forward; whatever stood there before (accelerate's
+            # hooks put one) is put back by remove()
+            self._own_forward = self.model.__dict__.get("forward", _ABSENT)
+            self.model.forward = CompiledDecodeForward(self, self.model.forward)
         self.model._evictlayers_run = self
 
     def remove(self) -> None:
@@ -118,6 +127,11 @@ class EvictionRun:
             return
         for hook in self._hooks:
             hook.remove()
+        if self.compile:
+            if self._own_forward is _ABSENT:
+                del self.model.forward
+            else:
+                self.model.forward = self._own_forward
         self._implementation.__exit__(None, None, None)
         for module in self._attention:
             module.__class__ = module._evictlayers_original_class
@@ -170,6 +184,10 @@ class EvictionRun:
             return args, {**kwargs, name: value}
 
         def before_forward(module, args, kwargs):
+            if self.in_compiled_forward:
+                # an inner model called by the compiled decode forward: the outer model's hook already ran,
+                # eagerly, on the same cache, mask and tokens
+                return args, kwargs
             arguments = signature.bind_partial(*args, **kwargs).arguments
             arguments.update(arguments.pop("kwargs", {}))
             mask, cache, use_cache = (arguments.get(n) for n in ("attention_mask", "past_key_values", "use_cache"))
@@ -194,14 +212,15 @@ class EvictionRun:
                         "under evictlayers.apply pass an evictlayers cache (run.new_cache()) or none"
                     )
                 args, kwargs = replaced(args, kwargs, "past_key_values", cache)
+            inputs = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
+            self.step_tokens = None if inputs is None else inputs.shape[1]
             if self.rotary is not None:
                 # position 0 everywhere makes the model's rotary embedding the identity: queries and keys
                 # reach the attention function un-rotated, and the slot store rotates them to their ranks
-                inputs = next(arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None)
                 zeros = torch.zeros(1, inputs.shape[1], dtype=torch.long, device=inputs.device)
                 args, kwargs = replaced(args, kwargs, "position_ids", zeros)
             self.cache = cache if use_cache else None
-            self._padding = mask
+            self.padding = mask
             if self._sentence_table is not None:
                 self._mark_sentence_ends(arguments.get("input_ids"))
             return args, kwargs
@@ -232,14 +251,14 @@ class EvictionRun:
 
     def real_tokens(self, start: int, count: int) -> torch.Tensor | None:
         """``[B, count]`` bool: which of the step's tokens are real (not padding), from the 2-D mask."""
-        if self._padding is None:
+        if self.padding is None:
             return None
-        if self._padding.shape[1] < start + count:
+        if self.padding.shape[1] < start + count:
             raise ValueError(
-                f"attention_mask has {self._padding.shape[1]} columns, but the cache has seen {start} tokens and "
+                f"attention_mask has {self.padding.shape[1]} columns, but the cache has seen {start} tokens and "
                 f"this step adds {count}: pass a mask over every token so far (as generate() does)"
             )
-        return self._padding[:, start : start + count].bool()
+        return self.padding[:, start : start + count].bool()
 
     # ---- reporting -----------------------------------------------------------------------------
 
@@ -256,8 +275,10 @@ def apply(model: nn.Module, policy: Policy, compile: bool = False, tokenizer=Non
     ``tokenizer``: the model's tokenizer, needed by a policy that ranks the text's sentences
     (``HeavyHitterSelector(chunk="sentence")``; an error names it when missing) and ignored by others.
 
-    ``compile=True`` runs every layer's decode step (insert, attention with mass, scoring, eviction) as
-    one ``torch.compile(fullgraph=True)`` graph over fixed slot buffers; prefill stays eager. A policy
-    whose per-step code cannot be traced raises ``CompileError`` naming the layer, never falls back.
+    ``compile=True`` compiles the decode steps (insert, attention with mass, scoring, eviction) over fixed
+    slot buffers with ``torch.compile(fullgraph=True)``: a bounded cache's one-token forward as one graph of
+    the whole model (``hf/compiled_forward.py``), any other step (a full cache, a hybrid model) layer by
+    layer; prefill stays eager. A policy whose per-step code cannot be traced raises ``CompileError``, never
+    falls back.
     """
     return EvictionRun(model, policy, compile=compile, tokenizer=tokenizer)
