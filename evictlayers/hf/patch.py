@@ -86,7 +86,7 @@ class EvictionRun:
         self.num_layers = self.support.num_layers
         self.rotary: dict[int, RotaryTable] | None = None
         self.cache: EvictionCache | None = None
-        self.padding: torch.Tensor | None = None
+        self._padding: torch.Tensor | None = None
         self.step_tokens: int | None = None  # tokens per row of the current forward (its input's second dim)
         self.in_compiled_forward = False  # set by CompiledDecodeForward while its graph runs
         self._implementation = attention_implementation(model, self.support, attention.ATTENTION_NAME)
@@ -220,7 +220,7 @@ class EvictionRun:
                 zeros = torch.zeros(1, inputs.shape[1], dtype=torch.long, device=inputs.device)
                 args, kwargs = replaced(args, kwargs, "position_ids", zeros)
             self.cache = cache if use_cache else None
-            self.padding = mask
+            self._padding = mask
             if self._sentence_table is not None:
                 self._mark_sentence_ends(arguments.get("input_ids"))
             return args, kwargs
@@ -251,14 +251,14 @@ class EvictionRun:
 
     def real_tokens(self, start: int, count: int) -> torch.Tensor | None:
         """``[B, count]`` bool: which of the step's tokens are real (not padding), from the 2-D mask."""
-        if self.padding is None:
+        if self._padding is None:
             return None
-        if self.padding.shape[1] < start + count:
+        if self._padding.shape[1] < start + count:
             raise ValueError(
-                f"attention_mask has {self.padding.shape[1]} columns, but the cache has seen {start} tokens and "
+                f"attention_mask has {self._padding.shape[1]} columns, but the cache has seen {start} tokens and "
                 f"this step adds {count}: pass a mask over every token so far (as generate() does)"
             )
-        return self.padding[:, start : start + count].bool()
+        return self._padding[:, start : start + count].bool()
 
     # ---- reporting -----------------------------------------------------------------------------
 
@@ -277,8 +277,8 @@ def apply(model: nn.Module, policy: Policy, compile: bool = False, tokenizer=Non
 
     ``compile=True`` compiles the decode steps (insert, attention with mass, scoring, eviction) over fixed
     slot buffers with ``torch.compile(fullgraph=True)``: a bounded cache's one-token forward as one graph of
-    the whole model (``hf/compiled_forward.py``), any other step (a full cache, a hybrid model) layer by
-    layer; prefill stays eager. A policy whose per-step code cannot be traced raises ``CompileError``, never
+    the whole model (``hf/compiled_forward.py``), any other step (a full cache, a hybrid model, a
+    ClusterSketch) layer by layer; prefill stays eager. A policy whose per-step code cannot be traced raises ``CompileError``, never
     falls back.
     """
     return EvictionRun(model, policy, compile=compile, tokenizer=tokenizer)
