@@ -22,6 +22,10 @@ Beside it:
 - ``limit_tokens_per_s``: the physical limit, ``batch * bandwidth / (W + KV)``, with the bandwidth
   measured in the same run on the same threads (``read_bandwidth``), and ``of_limit``, the share of it
   the row reaches;
+- ``weights_matmul_ms``: what the model's own weight products take for one step of the batch, measured in
+  the same run on the same threads (``weights_matmul_seconds``), and ``weights_matmul_share``, their share
+  of the row's step: a floor under every configuration that the bytes alone do not show (at batch 8 on a
+  CPU the products can be bound by the multiply-adds rather than by reading the weights);
 - ``vs_fastest_hf``: tokens/s over the fastest transformers configuration of the same prompt and batch
   in the run (``hf-*`` rows), what a user would otherwise run at its best;
 - with ``--interleave``, ``vs_hf_sdpa_beside``: the row's blocks alternate with blocks of ``hf-sdpa``
@@ -124,6 +128,28 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     return data.nbytes / statistics.median(seconds)
 
 
+def weights_matmul_seconds(model: torch.nn.Module, rows: int, repeats: int = 5) -> float:
+    """Seconds the model's weight products take for one token of ``rows`` sequences: every ``nn.Linear``
+    (the output head included) applied to ``rows`` input rows, one weight after another as a step reads
+    them (each from memory, the model being larger than the caches), the median of ``repeats`` passes."""
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=m.weight.dtype, device=m.weight.device)
+              for m in linears}
+
+    def one_pass():
+        for m in linears:
+            torch.nn.functional.linear(inputs[m.in_features], m.weight)
+
+    with torch.inference_mode():
+        one_pass()  # first touch, not timed
+        seconds = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            one_pass()
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
 @dataclass
 class Side:
     """One configuration ready to decode: ``enter()`` the context its steps run in (the attention
@@ -196,6 +222,7 @@ def cases(context: Context) -> list[Case]:
     baseline_bytes: dict[tuple[int, int], int] = {}
     fastest_hf: dict[tuple[int, int], float] = {}  # the hf family is measured first for every prompt
     bandwidth: list[float] = []  # measured once, at the first measurement (after the model is loaded)
+    weights_matmul: dict[int, float] = {}  # per batch, measured at its first measurement
     out = []
 
     def measure(config: str, family: str, prompt: int, batch: int) -> dict:
@@ -222,6 +249,8 @@ def cases(context: Context) -> list[Case]:
         ideal = baseline_bytes[(prompt, batch)] / step_bytes if (prompt, batch) in baseline_bytes else None
         if not bandwidth:
             bandwidth.append(read_bandwidth())
+        if batch not in weights_matmul:
+            weights_matmul[batch] = weights_matmul_seconds(context.subject.model, batch)
         tokens_per_s = [batch / s for s in seconds]
         median = statistics.median(tokens_per_s)
         limit = batch * bandwidth[0] / step_bytes
@@ -232,6 +261,8 @@ def cases(context: Context) -> list[Case]:
             "limit_tokens_per_s": limit, "of_limit": median / limit,
             "vs_fastest_hf": median / fastest_hf[(prompt, batch)] if family != "hf" and (prompt, batch) in fastest_hf else None,
             "bandwidth_gb_s": bandwidth[0] / 1e9,
+            "weights_matmul_ms": weights_matmul[batch] * 1e3,
+            "weights_matmul_share": weights_matmul[batch] * median / batch,
         }
         if beside is not None:
             info["vs_hf_sdpa_beside"] = statistics.median(beside)

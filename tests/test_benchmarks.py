@@ -119,6 +119,34 @@ def test_decode_rows_say_their_share_of_the_bandwidth_limit_and_of_the_fastest_h
         assert info["vs_fastest_hf"] == pytest.approx(tokens / max(hf))
 
 
+def test_decode_rows_say_the_share_of_their_step_in_the_weight_products(quick_run):
+    rows = [r for r in quick_run[1]["benchmarks"]["decode"]["rows"] if r["status"] == "ok"]
+    for batch in {r["params"]["batch"] for r in rows}:
+        at_batch = [r for r in rows if r["params"]["batch"] == batch]
+        assert len({r["info"]["weights_matmul_ms"] for r in at_batch}) == 1  # one measurement per batch
+    for r in rows:
+        info, tokens = r["info"], r["metrics"]["tokens_per_s"]["value"]
+        step_ms = 1e3 * r["params"]["batch"] / tokens
+        assert 0 < info["weights_matmul_ms"] and info["weights_matmul_share"] == pytest.approx(
+            info["weights_matmul_ms"] / step_ms)
+
+
+def test_the_weight_products_pass_applies_every_linear_once(monkeypatch):
+    from benchmarks.decode import weights_matmul_seconds
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4, bias=False))
+    shapes = []
+    linear = torch.nn.functional.linear
+
+    def recorded(x, weight, *args):
+        shapes.append((tuple(x.shape), tuple(weight.shape)))
+        return linear(x, weight, *args)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", recorded)
+    assert weights_matmul_seconds(model, rows=3, repeats=2) > 0
+    assert shapes == [((3, 8), (16, 8)), ((3, 16), (4, 16))] * 3  # the untimed pass, then two timed
+
+
 def test_memory_matches_the_formula_for_bounded_caches(quick_run):
     for r in quick_run[1]["benchmarks"]["memory"]["rows"]:
         if r["config"] in ("hf", "el-h2o"):

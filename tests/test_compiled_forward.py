@@ -1,8 +1,9 @@
-"""``apply(compile=True)``: a bounded cache's one-token forwards run as one compiled graph of the whole model.
+"""``apply(compile=True)``: a cache's one-token forwards run as one compiled graph of the whole model.
 
 The reference is the same model and policy run eagerly (``compile=False``), whose decode the rest of the
-suite pins against the unmodified model and the papers' algorithms. Each test also checks which path ran:
-the whole forward when every layer decodes in place, each layer's own step otherwise.
+suite pins against the unmodified model and the papers' algorithms, or for a full cache the unmodified model.
+Each test also checks which path ran: the whole forward when every layer decodes in place, each layer's own
+step otherwise.
 """
 
 from __future__ import annotations
@@ -73,14 +74,69 @@ def test_bounded_cache_decodes_as_one_graph_with_eager_logits(family, name, path
     assert torch.equal(tokens, eager_tokens)
 
 
-def test_a_full_cache_decodes_layer_by_layer(paths):
+def test_a_full_cache_in_position_order_decodes_as_one_graph_with_the_models_logits(paths, monkeypatch):
+    # unpadded prompts: the full cache keeps its slots in position order and grows between steps (40 slots
+    # after the prefill, 64 more at the first step and again at the 64th), outside the graph
+    model, policy = build("llama"), el.load_recipe("full")
+    ids, mask = left_padded([40, 40])
+    unmodified = greedy(model, ids, mask, 80)
+    grown = []
+    make_room = store_module.SlotStore.make_room
+
+    def recorded(store):
+        before = store.capacity
+        make_room(store)
+        if not torch.compiler.is_compiling():  # the step's own call inside the graph (a list append would guard)
+            grown.append(store.capacity > before)
+
+    monkeypatch.setattr(store_module.SlotStore, "make_room", recorded)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad(), el.apply(model, policy, compile=True):
+        out = greedy(model, ids, mask, 80)
+    steps = 79
+    assert paths[-steps:] == [True] * steps and not any(paths[:-steps])
+    assert sum(grown) == 2 * model.config.num_hidden_layers  # every layer grew twice
+    # the first graph holds the step count and the buffers' size as constants, the second is generic over
+    # the step count, the third over the size too (after the second growth); none after
+    assert counters["stats"]["unique_graphs"] <= 3, dict(counters["stats"])
+    torch.testing.assert_close(torch.stack(out.logits), torch.stack(unmodified.logits), rtol=1e-4, atol=1e-4)
+    assert torch.equal(out.sequences, unmodified.sequences)
+
+
+def test_a_padded_full_cache_decodes_layer_by_layer(paths):
     model, policy = build("llama"), el.load_recipe("full")
     eager_tokens, eager_logits = generated(model, policy, compile=False, new_tokens=12)
     torch._dynamo.reset()
     tokens, logits = generated(model, policy, compile=True, new_tokens=12)
-    assert not any(paths)  # an unbounded layer may grow between steps: never the whole graph
+    assert not any(paths)  # a padded prompt leaves the slots out of position order: each layer's own step
     torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)
     assert torch.equal(tokens, eager_tokens)
+
+
+def test_a_padded_step_ends_the_full_caches_graph(paths):
+    # a step whose token is padding in one row cannot keep that row's slots in order: the forward reads the
+    # mask before taking the graph, and the step and every later one run layer by layer, as eagerly
+    model, policy = build("llama"), el.load_recipe("full")
+    ids, mask = left_padded([40, 40])
+    torch.manual_seed(3)
+    tokens = torch.randint(0, model.config.vocab_size, (2, 4))
+    real = torch.ones(2, 4, dtype=torch.long)
+    real[1, 1] = 0
+    logits = {}
+    for compile in (False, True):
+        torch._dynamo.reset()
+        paths.clear()
+        with torch.no_grad(), el.apply(model, policy, compile=compile) as run:
+            cache = run.new_cache()
+            model(ids, attention_mask=mask, past_key_values=cache)
+            steps = []
+            for i in range(4):
+                seen = torch.cat([mask, real[:, : i + 1]], dim=1)
+                steps.append(model(tokens[:, i : i + 1], attention_mask=seen, past_key_values=cache).logits)
+        logits[compile] = torch.cat(steps, dim=1)
+    assert paths == [False, True, False, False, False]
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
 
 
 def test_the_patch_puts_forward_back_as_it_was():

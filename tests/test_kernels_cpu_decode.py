@@ -1,8 +1,8 @@
-"""The CPU decode backend against the naive reference: through the fused flash op when no mass is wanted
-(odd slot counts, GQA 1-4, padding rows and rows that see nothing, empty slots, sliding window, fp32 and
-16-bit caches, a shape-generic compiled graph), and the naive's steps where the op cannot serve (the mass
-wanted, softcap, value heads of another size): with the C++ slot ops, or exactly the naive without them.
-Buffers ``torch.empty`` hands out are NaN-poisoned."""
+"""The CPU decode backend against the naive reference: the C++ slot ops, and where they are not built the fused
+flash op when no mass is wanted (odd slot counts, GQA 1-4, padding rows and rows that see nothing, empty
+slots, sliding window, fp32 and 16-bit caches, a shape-generic compiled graph) or exactly the naive where
+that op cannot serve (the mass wanted, softcap, value heads of another size). Buffers ``torch.empty`` hands
+out are NaN-poisoned."""
 
 import pytest
 import torch
@@ -14,6 +14,16 @@ from evictlayers.kernels.decode.cpu import decode_attention_with_mass_cpu
 from evictlayers.kernels.decode.naive import decode_attention_with_mass
 from kernel_inputs import flash_mask_spy, poisoned_empty, prefill_inputs
 from tiny_models import single_thread  # noqa: F401 (autouse fixture)
+
+
+def only(kernel: str, monkeypatch) -> None:
+    """Make the backend take the C++ slot ops (the fused op unreachable) or, as where they cannot be built,
+    the fused op."""
+    if kernel == "slot-ops":
+        assert slots_cpu.available()
+        monkeypatch.setattr(decode_cpu, "_FLASH", None)
+    else:
+        monkeypatch.setattr(slots_cpu, "serves", lambda *tensors: False)
 
 
 def decode_inputs(seed, older, groups, head_dim=24, v_dim=None, dtype=torch.float32):
@@ -31,7 +41,9 @@ def decode_inputs(seed, older, groups, head_dim=24, v_dim=None, dtype=torch.floa
      (63, 2, 9, torch.bfloat16), (40, 3, None, torch.float16)],
     ids=["n37-g1", "n100-g3-window", "n257-g4", "n64-g2-window-bf16", "n41-g3-fp16"],
 )
-def test_without_the_mass_matches_naive(older, groups, window, dtype):
+@pytest.mark.parametrize("kernel", ["slot-ops", "flash"])
+def test_without_the_mass_matches_naive(older, groups, window, dtype, kernel, monkeypatch):
+    only(kernel, monkeypatch)
     inputs = decode_inputs(older + groups, older, groups, dtype=dtype)
     kwargs = dict(scaling=0.3, sliding_window=window, score_gain=torch.tensor([1.5, 0.5]))
     with poisoned_empty():
@@ -44,8 +56,10 @@ def test_without_the_mass_matches_naive(older, groups, window, dtype):
     assert (got.out[1] == 0).all() and (got.lse[1] == float("-inf")).all()
 
 
-def test_a_row_that_sees_nothing_gets_zero_output_and_no_normaliser():
+@pytest.mark.parametrize("kernel", ["slot-ops", "flash"])
+def test_a_row_that_sees_nothing_gets_zero_output_and_no_normaliser(kernel, monkeypatch):
     """A real query whose window holds no slot (not only padding): output 0 and LSE -inf, as the naive."""
+    only(kernel, monkeypatch)
     query, key, value, query_pos, key_pos = decode_inputs(7, 20, 3)
     query_pos[1] = 1000  # far past every slot: a window of 5 sees none of them
     kwargs = dict(scaling=0.3, sliding_window=5, need_mass=False)
@@ -85,9 +99,11 @@ def test_what_the_fused_op_cannot_express_is_the_naive(need_mass, softcap, v_dim
     assert (got.out[1] == 0).all() and (got.lse[1] == float("-inf")).all() and (got.mass[1] == 0).all()
 
 
-def test_compiles_into_one_graph_for_every_slot_count():
+@pytest.mark.parametrize("kernel", ["slot-ops", "flash"])
+def test_compiles_into_one_graph_for_every_slot_count(kernel, monkeypatch):
     """Under ``torch.compile(fullgraph=True)`` (the decode step's), after the first static shape every slot
     count shares one dynamic graph (a full cache grows between steps)."""
+    only(kernel, monkeypatch)
     compiled = torch.compile(decode_attention_with_mass_cpu, fullgraph=True, dynamic=None)
     torch._dynamo.reset()
     counters.clear()
@@ -103,9 +119,10 @@ def test_compiles_into_one_graph_for_every_slot_count():
 @pytest.mark.parametrize("n_slots,groups,dtype", [(37, 1, torch.float32), (130, 3, torch.float32), (65, 4, torch.bfloat16)],
                          ids=["n37-g1", "n130-g3", "n65-g4-bf16"])
 def test_every_slot_visible_takes_the_unmasked_op_and_matches_naive(n_slots, groups, dtype, monkeypatch):
-    """``all_visible=True`` (a full cache in position order, sliced to its tokens): the op is called without
-    a mask, and output and LSE are the naive's, which masks as always. Slots are unordered on purpose:
-    the promise is visibility, not order."""
+    """``all_visible=True`` (a full cache in position order, sliced to its tokens), the slot ops not built:
+    the op is called without a mask, and output and LSE are the naive's, which masks as always. Slots are
+    unordered on purpose: the promise is visibility, not order."""
+    only("flash", monkeypatch)
     g = torch.Generator().manual_seed(n_slots)
     batch, kv_heads, head_dim = 2, 2, 24
     query = torch.randn(batch, kv_heads * groups, head_dim, generator=g).to(dtype)

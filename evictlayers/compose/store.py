@@ -426,24 +426,36 @@ class SlotStore:
         return before + 1
 
     def decodes_in_place(self) -> bool:
-        """Whether the next one-token step runs ``decode_step`` on the slot buffers as they are: the buffers
-        exist (a first step allocated them), a budget or window bounds the layer (so they never grow) and
-        the step may be compiled on this device. A whole model's decode forward can then be one compiled
-        graph (``hf/compiled_forward.py``). Not with a ClusterSketch: its coin table is remade every few
-        steps (``_step_coins``), a branch that would compile the whole model twice more."""
-        return (
-            self.kv is not None and self.budget is not None and self.filled is None and self.sketch is None
-            and (self.pos.device.type != "cuda" or self.kv.compiles_on_cuda)
-        )
+        """Whether the next one-token step writes into the slot buffers as they are, through ops that may be
+        compiled on this device, so that a whole model's decode forward can be one compiled graph
+        (``hf/compiled_forward.py``). The buffers exist (a first step allocated them), and either a budget or
+        window bounds the layer (its buffers never grow: ``decode_step``) or an unbounded layer keeps its
+        slots in position order (``_decode_in_order``) with a free slot for the token (``make_room`` grows
+        it first). Not with a ClusterSketch: its coin table is remade every few steps (``_step_coins``), a
+        branch that would compile the whole model twice more."""
+        if self.kv is None or self.sketch is not None:
+            return False
+        if self.filled is not None:  # the in-order path runs on CPU only (``_in_order``)
+            return self.filled < self.capacity
+        return self.budget is not None and (self.pos.device.type != "cuda" or self.kv.compiles_on_cuda)
+
+    def make_room(self) -> None:
+        """Give an unbounded (full) store that has no free slot left after the next token a few more
+        (``growth_slots`` says how many): only such a store can run out (it holds at most ``seq_len`` tokens).
+        Runs before a step, outside any compiled graph: a compiled forward calls it eagerly, so the graph sees
+        buffers that do not grow. The slot it keeps free: a step that filled the last one would attend over
+        the whole buffer, not a slice of it, which a compiled graph specialises on (a graph more per growth)."""
+        if self.budget is None and self.kv is not None and self.seq_len + 2 > self.capacity:
+            self._grow(growth_slots(self.capacity))
 
     def _decode(self, query, key, value, real, **attention_kwargs) -> torch.Tensor:
         """One token per row into the fixed slot buffers (``decode_step``, compiled when asked)."""
-        if self.budget is None and self.seq_len + 1 > self.capacity:
-            # only an unbounded (full) cache can run out of free slots (it holds at most seq_len tokens):
-            # it grows between steps, outside any compiled graph (growth_slots says by how much)
-            self._grow(growth_slots(self.capacity))
+        self.make_room()
+        # inside the compiled decode forward the step is known to be unpadded: the forward read the mask
+        # eagerly before taking the graph (``CompiledDecodeForward.in_place``)
+        in_order = self.filled is not None and (torch.compiler.is_compiling() or bool(real.all()))
         # what else _in_order asks cannot change after the first step: only padding can end the order here
-        if self.filled is not None and bool(real.all()):
+        if in_order:
             return self._decode_in_order(query, key, value, **attention_kwargs)
         self.filled = None
         if self.compile and key.is_cuda and not self.kv.compiles_on_cuda:
@@ -489,7 +501,8 @@ class SlotStore:
         ``sentence_start`` is not read: nothing here ranks sentences."""
         slot = torch.full(key.shape[:2], self.filled, dtype=torch.long, device=key.device)
         self.kv.write(slot, key[:, :, 0], value[:, :, 0], self.seen[:, None].expand_as(slot))
-        self.pos[:, :, self.filled] = self.seen[:, None]
+        # a scatter at a tensor index: indexing at the int would compile one graph per step
+        self.pos.scatter_(2, slot[..., None], self.seen[:, None, None].expand(*slot.shape, 1))
         query_pos = self.seen
         self.seen = self.seen + 1
         self.filled += 1

@@ -5,14 +5,16 @@ stack around it (norms, projections, rotary embedding, MLP, a few dozen Python c
 graph's own call (dynamo's guards, ~0.4 ms). On a small model they cost about as much as reading the weights.
 ``CompiledDecodeForward`` stands in for the model's ``forward`` while the patch is active and sends each
 one-token forward whose cache decodes in place at every layer (``SlotStore.decodes_in_place``: a budget
-or a window bounds every attention layer, so its buffers never grow) through one
+or a window bounds the layer, so its buffers never grow, or a full layer keeps its slots in position order
+and was given room for the token before the graph runs) through one
 ``torch.compile(fullgraph=True)`` of the model's own ``forward``: the slot stores' decode steps
 (``compose/decode_step.py``) are traced inline, so a step pays the guards and a graph call once.
 
 Everything else takes the model's ``forward`` eagerly, with each layer's decode step compiled as before:
-prefill (its shapes change with every prompt), the steps of a cache that may grow (an unbounded layer)
-or holds a ClusterSketch, a hybrid model's recurrent layers (transformers' own code, not evictlayers'),
-and a storage that does not compile on CUDA (the store refuses it with ``CompileError``).
+prefill (its shapes change with every prompt), the steps of a full cache out of position order (a padded
+prompt or step, or on CUDA: its buffers may grow inside the step) or of one that holds a ClusterSketch, a
+hybrid model's recurrent layers (transformers' own code, not evictlayers'), and a storage that does not
+compile on CUDA (the store refuses it with ``CompileError``).
 """
 
 from __future__ import annotations
@@ -61,9 +63,19 @@ class CompiledDecodeForward:
 
     def in_place(self) -> bool:
         """Whether this forward is a one-token step of a cache every layer of which is an evictlayers attention
-        layer decoding in place."""
+        layer decoding in place. Grows first, eagerly, each full layer with no free slot left (as its own step
+        would: ``SlotStore.make_room``), and reads whether the step's tokens are real where a full layer keeps
+        its slots in position order (a padded token ends that order, which the graph cannot branch on)."""
         cache = self.run.cache
-        return (
-            self.run.step_tokens == 1 and isinstance(cache, EvictionCache)
-            and all(type(layer) is EvictionLayer and layer.store.decodes_in_place() for layer in cache.layers)
-        )
+        if self.run.step_tokens != 1 or not isinstance(cache, EvictionCache):
+            return False
+        stores = [layer.store for layer in cache.layers if type(layer) is EvictionLayer]
+        if len(stores) != len(cache.layers):
+            return False
+        for store in stores:
+            store.make_room()
+        if not all(store.decodes_in_place() for store in stores):
+            return False
+        in_order = next((store for store in stores if store.filled is not None), None)
+        real = None if in_order is None else self.run.real_tokens(in_order.seq_len, 1)
+        return real is None or bool(real.all())

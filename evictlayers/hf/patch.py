@@ -276,9 +276,10 @@ def apply(model: nn.Module, policy: Policy, compile: bool = False, tokenizer=Non
     (``HeavyHitterSelector(chunk="sentence")``; an error names it when missing) and ignored by others.
 
     ``compile=True`` compiles the decode steps (insert, attention with mass, scoring, eviction) over fixed
-    slot buffers with ``torch.compile(fullgraph=True)``: a bounded cache's one-token forward as one graph of
-    the whole model (``hf/compiled_forward.py``), any other step (a full cache, a hybrid model, a
-    ClusterSketch) layer by layer; prefill stays eager. A policy whose per-step code cannot be traced raises ``CompileError``, never
-    falls back.
+    slot buffers with ``torch.compile(fullgraph=True)``: a one-token forward of a bounded cache, or of a full
+    cache kept in position order (unpadded prompts, on CPU), as one graph of the whole model
+    (``hf/compiled_forward.py``), any other step (a padded full cache, a hybrid model, a ClusterSketch)
+    layer by layer; prefill stays eager. A policy whose per-step code cannot be traced raises
+    ``CompileError``, never falls back.
     """
     return EvictionRun(model, policy, compile=compile, tokenizer=tokenizer)
