@@ -127,6 +127,9 @@ class SlotStore:
         # a full cache of unpadded rows, where nothing scores: slots [0, filled) hold every row's tokens in
         # position order at every head and later slots are empty (None: not such a cache, or no longer)
         self.filled: int | None = None
+        # set by the compiled decode forward around a step whose tokens it read as all real (a graph cannot
+        # read the mask): such a step keeps the in-order path without the host read (``_decode``)
+        self.unpadded_step = False
 
     # ---- sizes ---------------------------------------------------------------------------------
 
@@ -451,9 +454,7 @@ class SlotStore:
     def _decode(self, query, key, value, real, **attention_kwargs) -> torch.Tensor:
         """One token per row into the fixed slot buffers (``decode_step``, compiled when asked)."""
         self.make_room()
-        # inside the compiled decode forward the step is known to be unpadded: the forward read the mask
-        # eagerly before taking the graph (``CompiledDecodeForward.in_place``)
-        in_order = self.filled is not None and (torch.compiler.is_compiling() or bool(real.all()))
+        in_order = self.filled is not None and (self.unpadded_step or bool(real.all()))
         # what else _in_order asks cannot change after the first step: only padding can end the order here
         if in_order:
             return self._decode_in_order(query, key, value, **attention_kwargs)

@@ -49,7 +49,10 @@ class CompiledDecodeForward:
             self.compiled = torch.compile(
                 self.eager, fullgraph=True, dynamic=None, options={"emulate_precision_casts": True}
             )
+        stores = [layer.store for layer in self.run.cache.layers]
         self.run.in_compiled_forward = True
+        for store in stores:  # in_place read the step's mask
+            store.unpadded_step = True
         try:
             return self.compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as error:
@@ -60,6 +63,8 @@ class CompiledDecodeForward:
             ) from error
         finally:
             self.run.in_compiled_forward = False
+            for store in stores:
+                store.unpadded_step = False
 
     def in_place(self) -> bool:
         """Whether this forward is a one-token step of a cache every layer of which is an evictlayers attention
