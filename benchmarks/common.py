@@ -144,6 +144,17 @@ def skipped(config: str, params: dict, reason: str) -> dict:
 # ---- timing ------------------------------------------------------------------------------------
 
 
+def median_seconds(call: Callable[[], object], repeats: int) -> float:
+    """Median seconds of ``repeats`` calls of ``call`` after one untimed call (first touch, thread start-up)."""
+    call()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        call()
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds)
+
+
 def timed_blocks(
     step: Callable[[], None], warmup: int, steps: int, repeats: int, sync=None
 ) -> tuple[list[float], int]:

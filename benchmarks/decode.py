@@ -37,7 +37,6 @@ Beside it:
 from __future__ import annotations
 
 import statistics
-import time
 from contextlib import AbstractContextManager, ExitStack
 from dataclasses import dataclass
 from typing import Callable
@@ -50,6 +49,7 @@ from benchmarks.common import (
     Context,
     estimate_prefill_s,
     estimate_step_s,
+    median_seconds,
     metric,
     row,
     skipped,
@@ -119,13 +119,7 @@ def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
     """Bytes/s this process reads from memory on its current threads: the median of ``repeats`` sums of a
     ``megabytes`` float32 tensor (larger than any cache level, so every byte comes from DRAM)."""
     data = torch.ones(megabytes * 2**20 // 4)
-    data.sum()  # first touch and thread start-up, not timed
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        data.sum()
-        seconds.append(time.perf_counter() - start)
-    return data.nbytes / statistics.median(seconds)
+    return data.nbytes / median_seconds(data.sum, repeats)
 
 
 def weights_matmul_seconds(model: torch.nn.Module, rows: int, repeats: int = 5) -> float:
@@ -141,13 +135,7 @@ def weights_matmul_seconds(model: torch.nn.Module, rows: int, repeats: int = 5) 
             torch.nn.functional.linear(inputs[m.in_features], m.weight)
 
     with torch.inference_mode():
-        one_pass()  # first touch, not timed
-        seconds = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            one_pass()
-            seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds)
+        return median_seconds(one_pass, repeats)
 
 
 @dataclass

@@ -147,6 +147,16 @@ def test_the_weight_products_pass_applies_every_linear_once(monkeypatch):
     assert shapes == [((3, 8), (16, 8)), ((3, 16), (4, 16))] * 3  # the untimed pass, then two timed
 
 
+def test_median_seconds_is_the_median_of_the_timed_calls_after_one_untimed(monkeypatch):
+    from benchmarks import common
+
+    clock = iter([0.0, 5.0, 10.0, 11.0, 20.0, 23.0])  # the three timed calls take 5, 1 and 3 s
+    monkeypatch.setattr(common.time, "perf_counter", lambda: next(clock))
+    calls = []
+    assert common.median_seconds(lambda: calls.append(1), repeats=3) == 3.0
+    assert len(calls) == 4
+
+
 def test_memory_matches_the_formula_for_bounded_caches(quick_run):
     for r in quick_run[1]["benchmarks"]["memory"]["rows"]:
         if r["config"] in ("hf", "el-h2o"):
