@@ -96,12 +96,16 @@ class DecodeLoop:
         forward: the model's ``__call__`` or its compiled version.
         token: ``[B, 1]`` the first token to feed; seen: prompt tokens already in the cache.
         total_steps: how many steps will run (sizes the attention mask once; each step takes a view).
+
+    The mask has one column more than the last step reads: a view of all its columns would be contiguous
+    where every earlier one is not, and a compiled forward guards on that (at batch > 1) and compiles again
+    at the last step.
     """
 
     def __init__(self, model, forward, cache, token: torch.Tensor, seen: int, total_steps: int):
         self.model, self.forward, self.cache = model, forward, cache
         self.token, self.seen = token, seen
-        self.mask = torch.ones(token.shape[0], seen + total_steps, dtype=torch.long)
+        self.mask = torch.ones(token.shape[0], seen + total_steps + 1, dtype=torch.long)
 
     def __call__(self) -> None:
         self.seen += 1

@@ -342,3 +342,26 @@ def test_interleave_runs_for_real():
             continue
         low, high = (float(x) for x in r["info"]["beside_range"].split("-"))  # printed to 2 decimals
         assert 0 < low and low - 0.005 <= r["info"]["vs_hf_sdpa_beside"] <= high + 0.005
+
+
+def test_decode_loop_hands_every_step_the_mask_in_one_layout():
+    """A compiled forward guards on the mask's strides: a last step whose view is the whole (contiguous)
+    mask would compile again inside the timed blocks."""
+    from benchmarks.common import tiny_llama
+    from benchmarks.loop import DecodeLoop, prefill
+
+    model = tiny_llama()
+    masks = []
+
+    def forward(**inputs):
+        masks.append(inputs["attention_mask"])
+        return model(**inputs)
+
+    with torch.inference_mode():
+        cache, token = prefill(model, torch.randint(3, 100, (1, 5)))
+        cache.reorder_cache(torch.zeros(2, dtype=torch.long))
+        loop = DecodeLoop(model, forward, cache, token.expand(2, 1), 5, total_steps=3)
+        for _ in range(3):
+            loop()
+    assert [m.shape[1] for m in masks] == [6, 7, 8]
+    assert len({(m.stride(), m.is_contiguous()) for m in masks}) == 1
