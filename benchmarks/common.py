@@ -37,7 +37,7 @@ SCORED_LINEAR = 1.1  # and ~10% more per token for its bookkeeping
 BYTES_PER_S = 5.0e9  # what a decode step reads and copies (a DynamicCache copies itself every step)
 # one torch.compile (or recompile for a new shape) of one evictlayers decode step, or of the HF forward
 # per decoder layer it holds
-COMPILE_S = {"el": 10.0, "hf_per_layer": 3.0}
+COMPILE_S = {"el": 10.0, "hf_per_layer": 3.0, "max_autotune": 300.0}
 
 
 @dataclass(frozen=True)

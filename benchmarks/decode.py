@@ -9,7 +9,11 @@ Configurations (baseline: the unmodified model on transformers' default path, SD
   directly);
 - ``el-full``, ``el-h2o``, ``el-h2o-int4`` (``evictlayers/recipes/full.yaml``, ``h2o.yaml`` at 20%,
   ``h2o_int4.yaml``: the same on int4 codes): evictlayers, eager and ``-compiled``
-  (``evictlayers.apply(..., compile=True)``).
+  (``evictlayers.apply(..., compile=True)``);
+- only when ``--configs`` names them (each compiles for minutes): ``hf-static-max-autotune``, the static cache's
+  compiled forward with inductor's ``max_autotune`` and the weights frozen into the graph (``freezing``),
+  and ``el-full-max-autotune``, ``el-h2o-max-autotune``, ``el-h2o-int4-max-autotune``
+  (``evictlayers.apply(..., compile="max-autotune")``, which does the same to its whole-model graph).
 
 Each family (HF, full, h2o, h2o_int4) prefills once per prompt at batch 1; every configuration decodes from a
 copy tiled to its batch. A measurement is ``warmup`` steps (compilation happens there), then
@@ -37,11 +41,12 @@ Beside it:
 from __future__ import annotations
 
 import statistics
-from contextlib import AbstractContextManager, ExitStack
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from transformers import CompileConfig
 
 from benchmarks.common import (
     COMPILE_S,
@@ -95,18 +100,27 @@ def make_plan(context: Context) -> Plan:
     return Plan(prompts=settings.prompts or (4096, 8192), batches=(1, 8), warmup=3, steps=4, repeats=repeats)
 
 
-# (config, family, compiled); each family's first config is measured first for every prompt and batch
+# (config, family, compile: False, True or "max-autotune"); each family's first config is measured first for
+# every prompt and batch
 CONFIGS = [
     ("hf-sdpa", "hf", False),
     ("hf-eager", "hf", False),
     ("hf-static-compiled", "hf", True),
+    ("hf-static-max-autotune", "hf", "max-autotune"),
     ("el-full", "full", False),
     ("el-full-compiled", "full", True),
+    ("el-full-max-autotune", "full", "max-autotune"),
     ("el-h2o", "h2o", False),
     ("el-h2o-compiled", "h2o", True),
+    ("el-h2o-max-autotune", "h2o", "max-autotune"),
     ("el-h2o-int4", "h2o_int4", False),
     ("el-h2o-int4-compiled", "h2o_int4", True),
+    ("el-h2o-int4-max-autotune", "h2o_int4", "max-autotune"),
 ]
+# the first compile of a max-autotune graph takes minutes (two to six on two cores at SmolLM2's size): these run
+# only when --configs names them
+OPT_IN = {config for config, _, compile in CONFIGS if compile == "max-autotune"}
+COMPILE = {config: compile for config, _, compile in CONFIGS}
 # fraction of the prompt each family keeps (estimate only)
 BUDGET = {"hf": 1.0, "full": 1.0, "h2o": 0.2, "h2o_int4": 0.2}
 
@@ -138,6 +152,14 @@ def weights_matmul_seconds(model: torch.nn.Module, rows: int, repeats: int = 5) 
         return median_seconds(one_pass, repeats)
 
 
+@contextmanager
+def frozen(inner: AbstractContextManager):
+    """``inner`` with inductor's ``freezing`` on (weights folded into the graph as constants): dynamo reads it
+    from the global config when it traces, so it must be in force around the compiled call."""
+    with inner, torch._inductor.config.patch(freezing=True):
+        yield
+
+
 @dataclass
 class Side:
     """One configuration ready to decode: ``enter()`` the context its steps run in (the attention
@@ -158,15 +180,22 @@ def prepare(context: Context, config: str, source: Prefilled, batch: int, plan: 
         enter = lambda: attention_implementation(model, "sdpa")  # noqa: E731
         forward = model.get_compiled_call(None)  # generate()'s compiled forward for a static cache
         cache = static_copy(model, source.cache, batch, source.prompt + plan.total)
+    elif config == "hf-static-max-autotune":
+        enter = lambda: frozen(attention_implementation(model, "sdpa"))  # noqa: E731
+        # dynamo keeps graphs per code object: without the reset, hf-static-compiled's graph of the same
+        # __call__ would serve this row where its guards pass
+        torch._dynamo.reset()
+        forward = model.get_compiled_call(CompileConfig(mode="max-autotune-no-cudagraphs"))
+        cache = static_copy(model, source.cache, batch, source.prompt + plan.total)
     else:
         import evictlayers as el
 
-        compiled = config.endswith("-compiled")
-        enter, forward = lambda: el.apply(model, source.policy, compile=compiled), model
+        compile = COMPILE[config]
+        enter, forward = lambda: el.apply(model, source.policy, compile=compile), model
         cache = tiled(source.cache, batch, keep=[source.policy])
         for layer in cache.layers:
             # the shared prefill ran eagerly (prefill always does); decode the copy as configured
-            layer.store.compile = compiled
+            layer.store.compile = bool(compile)
     return Side(enter, DecodeLoop(model, forward, cache, source.token.expand(batch, 1), source.prompt, plan.total), cache)
 
 
@@ -215,7 +244,7 @@ def cases(context: Context) -> list[Case]:
 
     def measure(config: str, family: str, prompt: int, batch: int) -> dict:
         params = {"prompt": prompt, "batch": batch}
-        if config.endswith("-compiled") and not settings.compile:
+        if COMPILE[config] and not settings.compile:
             return skipped(config, params, "--no-compile")
         source = memo.get(family, prompt)
         beside = None
@@ -255,13 +284,14 @@ def cases(context: Context) -> list[Case]:
         if beside is not None:
             info["vs_hf_sdpa_beside"] = statistics.median(beside)
             info["beside_range"] = f"{min(beside):.2f}-{max(beside):.2f}"
-        if config.endswith("-compiled"):
+        if COMPILE[config]:
             info["timed_compiles"] = timed_compiles
         return row(config, params, {"tokens_per_s": metric(tokens_per_s, "tokens/s", BASELINE, True)}, info)
 
     for family in ("hf", "full", "h2o", "h2o_int4"):
         for prompt in plan.prompts:
-            wanted = [(c, k) for c, f, k in CONFIGS if f == family and settings.wants(c)]  # --configs
+            wanted = [(c, k) for c, f, k in CONFIGS  # --configs, and the opt-in ones only where it names them
+                      if f == family and settings.wants(c) and (c not in OPT_IN or settings.configs is not None)]
             for index, (config, compiled) in enumerate(wanted):
                 for batch in plan.batches:
                     first = index == 0 and batch == plan.batches[0]
@@ -276,14 +306,16 @@ def cases(context: Context) -> list[Case]:
 
 
 def estimate_case(
-    context: Context, plan: Plan, family: str, prompt: int, batch: int, compiled: bool, prefills: bool
+    context: Context, plan: Plan, family: str, prompt: int, batch: int, compiled: bool | str, prefills: bool
 ) -> float:
     """Seconds: the family's prefill (first case of a prompt), compilation, and the decode steps."""
     settings, geometry = context.settings, context.subject.geometry
     if compiled and not settings.compile:
         return 0.0
     seconds = estimate_prefill_s(geometry, prompt, family != "hf", context.cores) if prefills else 0.0
-    if compiled:
+    if compiled == "max-autotune":
+        seconds += COMPILE_S["max_autotune"]
+    elif compiled:
         seconds += COMPILE_S["hf_per_layer"] * geometry["layers"] if family == "hf" else COMPILE_S["el"]
     step_bytes = geometry["weight_bytes"] + context.subject.kv_bytes_per_token(batch) * prompt * BUDGET[family]
     step_s = estimate_step_s(step_bytes) + (EL_STEP_OVERHEAD_S * geometry["layers"] if family != "hf" else 0.0)

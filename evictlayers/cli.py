@@ -85,8 +85,10 @@ def _add_runtime(parser: argparse.ArgumentParser) -> None:
                              "the local cache (default: %(default)s)")
     parser.add_argument("--threads", type=_positive, default=None,
                         help="torch intra-op threads per process (default: torch's choice)")
-    parser.add_argument("--compile", action="store_true",
-                        help="compile each layer's decode step (torch.compile, one graph; prefill stays eager)")
+    parser.add_argument("--compile", nargs="?", const=True, default=False, choices=["max-autotune"],
+                        help="compile the decode steps (evictlayers.apply(compile=True): one graph of the whole model "
+                             "per step where the cache allows; prefill stays eager); '--compile max-autotune' also "
+                             "freezes the weights into that graph and times its kernels (minutes of compiling)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -79,7 +79,7 @@ def _cache_bytes(cache) -> int:
 
 
 def run(recipes: list[str], n_prompts: int, target_tokens: int, max_new_tokens: int, seed: int,
-        compile: bool = False, progress: bool = True, model_name: str = "default") -> list[dict]:
+        compile: bool | str = False, progress: bool = True, model_name: str = "default") -> list[dict]:
     """One table row per policy: the unmodified model first, then ``recipes`` on ``model_name``
     (a name or path :func:`evictlayers.models.load` takes)."""
     torch.manual_seed(seed)
@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=24,
                         help="new tokens per prompt; all but the first are timed decode steps (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--compile", action="store_true", help="compile each policy's decode step")
+    parser.add_argument("--compile", nargs="?", const=True, default=False, choices=["max-autotune"],
+                        help="compile each policy's decode steps (evictlayers.apply(compile=...)); "
+                             "'--compile max-autotune' also freezes the weights into the graph")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 2:

@@ -283,6 +283,19 @@ def test_configs_and_prompts_restrict_the_plan():
         main(["--quick", "--threads", "1", "--only", "decode", "--configs", "no-such-config"])
 
 
+def test_max_autotune_configurations_run_only_where_configs_names_them():
+    # their first compile takes minutes: a plain run plans none of them, --configs plans the ones it names
+    plain = main(["--quick", "--no-compile", "--threads", "1", "--only", "decode", "--prompts", "48"])
+    planned = {r["config"] for r in plain["benchmarks"]["decode"]["rows"]}
+    assert "el-h2o-compiled" in planned and not any(c.endswith("max-autotune") for c in planned)
+    named = main(["--quick", "--no-compile", "--threads", "1", "--only", "decode", "--prompts", "48",
+                  "--configs", "hf-sdpa", "el-h2o-max-autotune", "hf-static-max-autotune"])
+    rows = {r["config"]: r for r in named["benchmarks"]["decode"]["rows"]}
+    assert set(rows) == {"hf-sdpa", "el-h2o-max-autotune", "hf-static-max-autotune"}
+    skipped = rows["el-h2o-max-autotune"]
+    assert skipped["status"] == "skipped" and "--no-compile" in skipped["reason"]
+
+
 def test_static_copy_of_sliding_window_layers_decodes_as_the_dynamic_cache():
     """hf-static-compiled on Gemma 3: a StaticCache built from a DynamicCache whose sliding layers
     dropped tokens (64-token prompt, 32-token window) decodes the same logits, here without compiling."""

@@ -65,6 +65,8 @@ def _error(capsys, argv) -> str:
         (["generate", "h2o", "hi", "--budget", "-1"], "bad budget '-1'"),
         (["eval", "h2o", "--task", "lines", "--haystack", "prose", "--out", "x"],
          "--haystack does not apply to --task lines (it applies to: passkey)"),
+        (["eval", "h2o", "--task", "passkey", "--compile", "fast", "--out", "x"],
+         "argument --compile: invalid choice: 'fast' (choose from 'max-autotune')"),
         (["claims", "--only", "retrieval,stream", "--render-only"],
          "unknown experiment(s) ['retrieval']; the experiments are stream, passkey, lines, retrieval_filler"),
     ],
@@ -133,12 +135,13 @@ def test_eval_writes_json_table_and_plots(capsys, checkpoint, books, tmp_path):
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [[], ["--compile"], ["--compile", "max-autotune"]],
+                         ids=["eager", "compiled", "max-autotune"])
 def test_eval_full_cache_perplexity_matches_unmodified_model(checkpoint, books, tmp_path, capsys, compiled):
     out = tmp_path / "out"
     main(["eval", "full", "--task", "perplexity", "--model", str(checkpoint), "--out", str(out),
           "--data-dir", str(books), "--n-docs", "2", "--doc-tokens", "50", "--start", "0", "--no-progress",
-          *(["--compile"] if compiled else [])])
+          *compiled])
     capsys.readouterr()
     result = json.loads((out / "perplexity.json").read_text())
     from transformers import AutoModelForCausalLM

@@ -15,6 +15,7 @@ from torch._dynamo.utils import counters
 import evictlayers as el
 from evictlayers.compose import store as store_module
 from evictlayers.hf.compiled_forward import CompiledDecodeForward
+from evictlayers.hf.weights import weights_signature
 from tiny_models import build, greedy, left_padded, single_thread  # noqa: F401
 
 POLICIES = {
@@ -31,15 +32,16 @@ POLICIES = {
 
 @pytest.fixture
 def paths(monkeypatch) -> list[bool]:
-    """Whether each forward took the whole compiled graph (``CompiledDecodeForward.in_place``)."""
+    """Whether each forward took the whole compiled graph (``CompiledDecodeForward.stores_in_place``)."""
     taken: list[bool] = []
-    in_place = CompiledDecodeForward.in_place
+    stores_in_place = CompiledDecodeForward.stores_in_place
 
     def recorded(self):
-        taken.append(in_place(self))
-        return taken[-1]
+        stores = stores_in_place(self)
+        taken.append(stores is not None)
+        return stores
 
-    monkeypatch.setattr(CompiledDecodeForward, "in_place", recorded)
+    monkeypatch.setattr(CompiledDecodeForward, "stores_in_place", recorded)
     return taken
 
 
@@ -153,3 +155,55 @@ def test_the_patch_puts_forward_back_as_it_was():
     assert model.forward is installed
     with el.apply(model, policy):  # compile=False touches no forward
         assert model.forward is installed
+
+
+def test_max_autotune_decodes_with_eager_logits_and_compiles_again_after_the_weights_change(paths):
+    # the graph holds the weights as constants: after an in-place change, within the patch or before the next
+    # one, it must be rebuilt, or the logits would still be the old weights'
+    model, policy = build("llama"), POLICIES["h2o"]()
+    ids, mask = left_padded([30, 24])
+    weight = model.model.layers[0].mlp.down_proj.weight
+    original = weight.detach().clone()
+    results = {}
+    for compile in (False, "max-autotune"):
+        torch._dynamo.reset()
+        paths.clear()
+        with torch.no_grad():
+            with el.apply(model, policy, compile=compile):
+                before = greedy(model, ids, mask, 6)
+                weight.mul_(-2.0)
+                changed = greedy(model, ids, mask, 6)
+            weight.copy_(original)
+            with el.apply(model, policy, compile=compile):
+                restored = greedy(model, ids, mask, 6)
+        results[compile] = before, changed, restored
+    assert paths == ([False] + [True] * 5) * 3
+    for eager, compiled in zip(results[False], results["max-autotune"]):
+        torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), rtol=1e-4, atol=1e-4)
+        assert torch.equal(compiled.sequences, eager.sequences)
+    before, changed, _ = results[False]
+    assert not torch.allclose(torch.stack(before.logits), torch.stack(changed.logits))
+
+
+def test_the_weights_signature_changes_with_any_parameter_replaced_repointed_or_written_in_place():
+    model = build("llama")
+    modules = list(model.modules())
+    first = weights_signature(modules)
+    assert weights_signature(modules) == first and weights_signature(model.modules()) == first
+    layer = model.model.layers[1].self_attn.q_proj
+    changes = [
+        lambda: layer.weight.add_(0.0),  # written in place, even to the same values
+        lambda: setattr(layer.weight, "data", layer.weight.detach().clone()),
+        lambda: setattr(layer, "weight", torch.nn.Parameter(layer.weight.detach().clone())),
+    ]
+    with torch.no_grad():
+        for change in changes:
+            before = weights_signature(modules)
+            change()
+            assert weights_signature(modules) != before
+
+
+@pytest.mark.parametrize("compile", ["max_autotune", "reduce-overhead", 1, None])
+def test_an_unknown_compile_mode_is_refused_with_the_allowed_ones(compile):
+    with pytest.raises(ValueError, match=r"compile=.*expected False, True or 'max-autotune'"):
+        el.apply(build("llama"), POLICIES["h2o"](), compile=compile)

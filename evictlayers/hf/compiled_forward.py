@@ -15,6 +15,10 @@ prefill (its shapes change with every prompt), the steps of a full cache out of 
 prompt or step, or on CUDA: its buffers may grow inside the step) or of one that holds a ClusterSketch, a
 hybrid model's recurrent layers (transformers' own code, not evictlayers'), and a storage that does not
 compile on CUDA (the store refuses it with ``CompileError``).
+
+``apply(compile="max-autotune")`` traces the same forward with the weights frozen into the graph and its
+products' kernels chosen by timing (``SETTINGS``): on a CPU, inductor's C++ GEMM template with the weights
+packed for the batch's few rows, where BLAS runs a matrix of one to eight rows far below its rate.
 """
 
 from __future__ import annotations
@@ -27,34 +31,54 @@ import torch
 from evictlayers.compose.decode_step import raise_recompile_limit
 from evictlayers.compose.store import CompileError
 from evictlayers.hf.cache import EvictionCache, EvictionLayer
+from evictlayers.hf.weights import weights_signature
+
+
+#: Inductor settings per ``apply(compile=...)`` value, in force while the graph is traced and compiled.
+#: ``"max-autotune"`` also folds the weights into the graph as constants (``freezing``, which takes effect under
+#: ``torch.no_grad`` or ``torch.inference_mode``; dynamo reads it from the global config when it traces, not from
+#: ``torch.compile``'s ``options``), so inductor may lay them out for its own GEMM kernels (on CPU its C++
+#: template, packed for the batch's few rows), and times the candidate kernels of each product.
+SETTINGS = {True: {}, "max-autotune": {"freezing": True, "max_autotune": True}}
 
 
 class CompiledDecodeForward:
-    """``model.forward`` while ``apply(model, policy, compile=True)`` is active (``EvictionRun`` installs it).
+    """``model.forward`` while ``apply(model, policy, compile=True or "max-autotune")`` is active (``EvictionRun``
+    installs it).
 
     ``eager`` is the model's own bound ``forward``; ``run`` the ``EvictionRun``, whose forward pre-hook has
-    already handed this forward its cache and counted its tokens when this is called."""
+    already handed this forward its cache and counted its tokens when this is called; ``mode`` a key of
+    ``SETTINGS``. Under ``"max-autotune"`` the graph holds the weights it was compiled with: a forward after any
+    parameter was replaced or changed in place (``weights_signature``) compiles it again, as the first did."""
 
-    def __init__(self, run, eager: Callable):
-        self.run, self.eager = run, eager
+    def __init__(self, run, eager: Callable, mode: bool | str = True):
+        self.run, self.eager, self.mode = run, eager, mode
         self.compiled: Callable | None = None
+        self.weights: tuple | None = None  # the signature of the weights a "max-autotune" graph holds
+        self.modules = list(run.model.modules())  # whose parameters the signature reads, listed once
         # generate() reads forward's signature to choose what it passes (position_ids, for one): keep the model's
         functools.update_wrapper(self, eager)
 
     def __call__(self, *args, **kwargs):
-        if not self.in_place():
+        stores = self.stores_in_place()
+        if stores is None:
             return self.eager(*args, **kwargs)
+        if self.mode == "max-autotune":
+            weights = weights_signature(self.modules)
+            if weights != self.weights:
+                self.compiled, self.weights = None, weights
         if self.compiled is None:
             raise_recompile_limit()
+            traced = self.eager if self.mode is True else _own_code(self.eager)
             self.compiled = torch.compile(
-                self.eager, fullgraph=True, dynamic=None, options={"emulate_precision_casts": True}
+                traced, fullgraph=True, dynamic=None, options={"emulate_precision_casts": True}
             )
-        stores = [layer.store for layer in self.run.cache.layers]
         self.run.in_compiled_forward = True
-        for store in stores:  # in_place read the step's mask
+        for store in stores:  # stores_in_place read the step's mask
             store.unpadded_step = True
         try:
-            return self.compiled(*args, **kwargs)
+            with torch._inductor.config.patch(SETTINGS[self.mode]):
+                return self.compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as error:
             raise CompileError(
                 f"evictlayers could not compile the decode forward of {type(self.run.model).__name__} under "
@@ -66,21 +90,35 @@ class CompiledDecodeForward:
             for store in stores:
                 store.unpadded_step = False
 
-    def in_place(self) -> bool:
-        """Whether this forward is a one-token step of a cache every layer of which is an evictlayers attention
-        layer decoding in place. Grows first, eagerly, each full layer with no free slot left (as its own step
-        would: ``SlotStore.make_room``), and reads whether the step's tokens are real where a full layer keeps
-        its slots in position order (a padded token ends that order, which the graph cannot branch on)."""
+    def stores_in_place(self) -> list | None:
+        """Every layer's slot store when this forward is a one-token step of a cache every layer of which is an
+        evictlayers attention layer decoding in place, else ``None``. Grows first, eagerly, each full layer with
+        no free slot left (as its own step would: ``SlotStore.make_room``), and reads whether the step's tokens
+        are real where a full layer keeps its slots in position order (a padded token ends that order, which
+        the graph cannot branch on)."""
         cache = self.run.cache
         if self.run.step_tokens != 1 or not isinstance(cache, EvictionCache):
-            return False
+            return None
         stores = [layer.store for layer in cache.layers if type(layer) is EvictionLayer]
         if len(stores) != len(cache.layers):
-            return False
+            return None
         for store in stores:
             store.make_room()
         if not all(store.decodes_in_place() for store in stores):
-            return False
+            return None
         in_order = next((store for store in stores if store.filled is not None), None)
         real = None if in_order is None else self.run.real_tokens(in_order.seq_len, 1)
-        return real is None or bool(real.all())
+        return stores if real is None or bool(real.all()) else None
+
+
+def _own_code(function: Callable) -> Callable:
+    """``function`` behind a trampoline with a code object of its own. Dynamo keeps its graphs per code object
+    and guards a frozen graph's weights by identity only, so a graph traced from the model's ``forward`` would
+    serve a later compile of the same model after its weights changed in place; a fresh code object starts
+    with no graphs, and its graphs (and the weights they hold) go when it does."""
+
+    def trampoline(*args, **kwargs):
+        return function(*args, **kwargs)
+
+    trampoline.__code__ = trampoline.__code__.replace()
+    return trampoline

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from evictlayers.hf.support import ModelSupport, UnsupportedModelError, attention_implementation
+from evictlayers.hf.weights import weights_signature
 
 PROBE_LENGTH = 128  # tokens per copy: the span an induction head must reach back across
 PROBE_SEQUENCES = 2
@@ -25,21 +26,15 @@ _MEASURED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def induction_scores(model: nn.Module, support: ModelSupport) -> list[float]:
     """``[num_layers]`` scores in ``[0, 1]``: per layer, the largest induction score among its heads (0 for a
-    layer without attention). Measured once per model and set of parameter values (a model changed in place
-    afterwards is measured again; parameters created under ``torch.inference_mode`` track no changes)."""
-    versions = tuple(_version(p) for p in model.parameters())
+    layer without attention). Measured once per model and set of parameters (a model whose parameters were
+    replaced or changed in place afterwards is measured again; ``weights_signature`` says which changes show)."""
+    signature = weights_signature(model.modules())
     cached = _MEASURED.get(model)
-    if cached is not None and cached[0] == versions:
+    if cached is not None and cached[0] == signature:
         return cached[1]
     scores = _measure(model, support)
-    _MEASURED[model] = (versions, scores)
+    _MEASURED[model] = (signature, scores)
     return scores
-
-
-def _version(parameter: torch.Tensor) -> int | None:
-    """The in-place update count; ``None`` for an inference tensor (made under ``torch.inference_mode``),
-    which keeps none and can only change inside inference mode."""
-    return None if parameter.is_inference() else parameter._version
 
 
 def _measure(model: nn.Module, support: ModelSupport) -> list[float]:

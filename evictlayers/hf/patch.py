@@ -41,12 +41,12 @@ def _evicting_class(cls: type) -> type:
 class EvictionRun:
     """The patched state of one model; ``with apply(model, policy) as run`` yields it."""
 
-    def __init__(self, model: nn.Module, policy: Policy, compile: bool = False, tokenizer=None):
+    def __init__(self, model: nn.Module, policy: Policy, compile: bool | str = False, tokenizer=None):
         versions.check_transformers_version()
         if not isinstance(policy, Policy):
             raise TypeError(f"evictlayers.apply expects a Policy, got {type(policy).__name__}")
-        if not isinstance(compile, bool):
-            raise TypeError(f"evictlayers.apply(compile={compile!r}): expected True or False")
+        if not (isinstance(compile, bool) or compile == "max-autotune"):
+            raise ValueError(f"evictlayers.apply(compile={compile!r}): expected False, True or 'max-autotune'")
         if getattr(model, "_evictlayers_run", None) is not None:
             raise RuntimeError(
                 f"evictlayers.apply was already applied to this {type(model).__name__}; exit the first "
@@ -118,7 +118,7 @@ class EvictionRun:
             # an instance attribute shadows the class's forward; whatever stood there before (accelerate's
             # hooks put one) is put back by remove()
             self._own_forward = self.model.__dict__.get("forward", _ABSENT)
-            self.model.forward = CompiledDecodeForward(self, self.model.forward)
+            self.model.forward = CompiledDecodeForward(self, self.model.forward, mode=self.compile)
         self.model._evictlayers_run = self
 
     def remove(self) -> None:
@@ -171,7 +171,7 @@ class EvictionRun:
     def new_cache(self) -> EvictionCache:
         """An empty cache for this model and policy (pass it as ``past_key_values``)."""
         return EvictionCache(
-            self.policy, self.num_layers, compile=self.compile, rotary=self.rotary, support=self.support
+            self.policy, self.num_layers, compile=bool(self.compile), rotary=self.rotary, support=self.support
         )
 
     def _hook(self, signature: inspect.Signature):
@@ -269,7 +269,7 @@ class EvictionRun:
         return self.cache.stats()
 
 
-def apply(model: nn.Module, policy: Policy, compile: bool = False, tokenizer=None) -> EvictionRun:
+def apply(model: nn.Module, policy: Policy, compile: bool | str = False, tokenizer=None) -> EvictionRun:
     """Patch ``model`` to generate with ``policy``'s bounded cache; use as a context manager.
 
     ``tokenizer``: the model's tokenizer, needed by a policy that ranks the text's sentences
@@ -281,5 +281,13 @@ def apply(model: nn.Module, policy: Policy, compile: bool = False, tokenizer=Non
     (``hf/compiled_forward.py``), any other step (a padded full cache, a hybrid model, a ClusterSketch)
     layer by layer; prefill stays eager. A policy whose per-step code cannot be traced raises
     ``CompileError``, never falls back.
+
+    ``compile="max-autotune"`` compiles the same graphs, and in the whole model's graph also freezes the
+    weights (inductor's ``freezing``: under ``torch.no_grad`` or ``torch.inference_mode``, the weights become
+    constants, laid out for the kernels inductor picks by timing them; on CPU its C++ GEMM template). The
+    first compile takes minutes instead of tens of seconds, the graph holds a second, repacked copy of the
+    weights (the model's own stay for prefill), and a step after any parameter was replaced or changed in
+    place compiles the graph again (a write through ``.data`` is not seen: exit the patch first).
+    ``docs/benchmarks.md`` has what it buys.
     """
     return EvictionRun(model, policy, compile=compile, tokenizer=tokenizer)
