@@ -17,12 +17,13 @@ hybrid model's recurrent layers (transformers' own code, not evictlayers'), and 
 compile on CUDA (the store refuses it with ``CompileError``).
 
 ``apply(compile="max-autotune")`` traces the same forward with the weights frozen into the graph and its
-products' kernels chosen by timing (``SETTINGS``): on a CPU, inductor's C++ GEMM template with the weights
+products' kernels chosen by timing (``MAX_AUTOTUNE``): on a CPU, inductor's C++ GEMM template with the weights
 packed for the batch's few rows, where BLAS runs a matrix of one to eight rows far below its rate.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Callable
 
@@ -34,12 +35,12 @@ from evictlayers.hf.cache import EvictionCache, EvictionLayer
 from evictlayers.hf.weights import weights_signature
 
 
-#: Inductor settings per ``apply(compile=...)`` value, in force while the graph is traced and compiled.
-#: ``"max-autotune"`` also folds the weights into the graph as constants (``freezing``, which takes effect under
-#: ``torch.no_grad`` or ``torch.inference_mode``; dynamo reads it from the global config when it traces, not from
-#: ``torch.compile``'s ``options``), so inductor may lay them out for its own GEMM kernels (on CPU its C++
-#: template, packed for the batch's few rows), and times the candidate kernels of each product.
-SETTINGS = {True: {}, "max-autotune": {"freezing": True, "max_autotune": True}}
+#: Inductor settings in force around each call of the graph under ``apply(compile="max-autotune")``, while it
+#: may be traced and compiled: the weights folded into the graph as constants (``freezing``, which takes effect
+#: under ``torch.no_grad`` or ``torch.inference_mode``; dynamo reads it from the global config when it traces,
+#: not from ``torch.compile``'s ``options``), so inductor may lay them out for its own GEMM kernels (on CPU its
+#: C++ template, packed for the batch's few rows), and the candidate kernels of each product timed.
+MAX_AUTOTUNE = {"freezing": True, "max_autotune": True}
 
 
 class CompiledDecodeForward:
@@ -47,8 +48,8 @@ class CompiledDecodeForward:
     installs it).
 
     ``eager`` is the model's own bound ``forward``; ``run`` the ``EvictionRun``, whose forward pre-hook has
-    already handed this forward its cache and counted its tokens when this is called; ``mode`` a key of
-    ``SETTINGS``. Under ``"max-autotune"`` the graph holds the weights it was compiled with: a forward after any
+    already handed this forward its cache and counted its tokens when this is called; ``mode`` ``True`` or
+    ``"max-autotune"``. Under ``"max-autotune"`` the graph holds the weights it was compiled with: a forward after any
     parameter was replaced or changed in place (``weights_signature``) compiles it again, as the first did."""
 
     def __init__(self, run, eager: Callable, mode: bool | str = True):
@@ -77,7 +78,9 @@ class CompiledDecodeForward:
         for store in stores:  # stores_in_place read the step's mask
             store.unpadded_step = True
         try:
-            with torch._inductor.config.patch(SETTINGS[self.mode]):
+            # compile=True patches nothing: even an empty patch costs ~20 us a step
+            settings = contextlib.nullcontext() if self.mode is True else torch._inductor.config.patch(MAX_AUTOTUNE)
+            with settings:
                 return self.compiled(*args, **kwargs)
         except torch._dynamo.exc.TorchDynamoException as error:
             raise CompileError(
