@@ -1,9 +1,11 @@
 """The C++ decode ops (``kernels/decode/slots_cpu.cpp``): the matmuls over dense slots against float64 matmuls,
 the softmax with the mass against ``naive.py``'s ``softmax_mass`` in float64.
 
-Odd shapes: slot counts around the kernels' tiles (8 slots for the logits; 64 for float32 values of head dim
-64), GQA groups 1-9 (row blocks of 4 and 3 with remainders), head dims through the vector paths (multiples of
-8 with and without a 32-channel remainder) and the scalar one (not a multiple of 8); float32, bfloat16 and
+Odd shapes: slot counts around the kernels' tiles (8 slots for the logits, 16 with AVX-512; 64 for float32
+values of head dim 64), GQA groups 1-9 (row blocks of 4 and 3 with remainders), head dims through the vector
+paths (multiples of 8 with and without a 32-channel remainder; with AVX-512, 64 and 128 through the 16-wide
+logits, multiples of 16 through the 16-wide values, 8, 24 and 40 through the 8-wide loops) and the scalar one
+(not a multiple of 8); float32, bfloat16 and
 float16 slots. Slots are views into NaN-filled buffers (a wider row stride, slots past the end), so a read
 outside the view poisons the result; the probabilities are a strided view too. The softmax: slot counts around
 its 8-wide vectors, empty slots, slots past the query, sliding windows, softcap, AhaKV's score gain (zero

@@ -14,8 +14,11 @@
 // Loops (AVX2 + FMA): QK walks the slots in tiles of 8, each slot's key read once for up to 4 query rows, the
 // tile's 8 vectors of partial sums per row reduced to one vector over the tile by a tree of hadd. PV walks the
 // slots in tiles of about 16 KB and, per block of up to 3 query rows and 32 output channels, keeps the 12
-// accumulators in registers across the tile. Head dims that are not a multiple of 8, or a machine without AVX2,
-// FMA and F16C, take the scalar loops, which compute the same sums.
+// accumulators in registers across the tile. On a machine with AVX-512 the same loops run 16 floats wide where
+// they can: QK in tiles of 16 slots (head dims 64 and 128, each row's query held in registers; the 16 vectors of
+// partial sums per row reduced by sum16), PV wherever the head dim is a multiple of 16 (blocks of up to 4 rows
+// and 64 channels). Head dims that are not a multiple of 8, or a machine without AVX2, FMA and F16C, take the
+// scalar loops, which compute the same sums.
 #include <torch/extension.h>
 #include <ATen/Dispatch_v2.h>
 #include <ATen/Parallel.h>
@@ -98,6 +101,61 @@ void logits_avx2(const float* q, const kv_t* keys, Rows kr, float* out, int64_t 
   }
 }
 
+#if EVICTLAYERS_AVX512
+using evictlayers::load16;
+
+// rows g0 .. g0 + R of one tile of n <= 16 slots, 16-wide: each slot's key read once for the R rows, their vectors
+// of partial sums reduced to one vector of 16 logits per row by sum16. K = D / 16 when it is known at compile time:
+// the rows' query then stays in registers (R * K <= 24 of the 32) where the loop would reload it from L1 per slot.
+template <int64_t R, int64_t K, typename kv_t>
+void logits_tile16(const float* q, const kv_t* keys, Rows kr, int64_t b, int64_t h, int64_t c0, int64_t n, int64_t D,
+                   int64_t g0, __m512* partial, float* out, int64_t C) {
+  __m512 resident[R][K > 0 ? K : 1];
+  if constexpr (K > 0)
+    for (int64_t r = 0; r < R; ++r)
+      for (int64_t j = 0; j < K; ++j) resident[r][j] = _mm512_loadu_ps(q + (g0 + r) * D + 16 * j);
+  for (int64_t t = 0; t < 16; ++t) {
+    __m512 acc[R];
+    for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+    if (t < n) {
+      const kv_t* k = keys + kr.at(b, h, c0 + t);
+      if constexpr (K > 0) {
+        for (int64_t j = 0; j < K; ++j) {
+          const __m512 key = load16(k + 16 * j);
+          for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(resident[r][j], key, acc[r]);
+        }
+      } else {
+        for (int64_t d = 0; d < D; d += 16) {
+          const __m512 key = load16(k + d);
+          for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g0 + r) * D + d), key, acc[r]);
+        }
+      }
+    }
+    for (int64_t r = 0; r < R; ++r) partial[r * 16 + evictlayers::sum16_place(t)] = acc[r];
+  }
+  const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+  for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (g0 + r) * C + c0, lanes, evictlayers::sum16(partial + r * 16));
+}
+
+// every row of one (b, h) in blocks of up to ROWS rows (ROWS * K <= 24 where K > 0)
+template <int64_t K, int64_t ROWS, typename kv_t>
+void logits_avx512(const float* q, const kv_t* keys, Rows kr, float* out, int64_t b, int64_t h, int64_t C, int64_t D,
+                   int64_t G) {
+  alignas(64) __m512 partial[ROWS * 16];
+  for (int64_t c0 = 0; c0 < C; c0 += 16) {
+    const int64_t n = std::min<int64_t>(16, C - c0);
+    for (int64_t g0 = 0; g0 < G; g0 += ROWS) {
+      switch (std::min(ROWS, G - g0)) {
+        case 4: logits_tile16<ROWS >= 4 ? 4 : 1, K>(q, keys, kr, b, h, c0, n, D, g0, partial, out, C); break;
+        case 3: logits_tile16<ROWS >= 3 ? 3 : 1, K>(q, keys, kr, b, h, c0, n, D, g0, partial, out, C); break;
+        case 2: logits_tile16<2, K>(q, keys, kr, b, h, c0, n, D, g0, partial, out, C); break;
+        default: logits_tile16<1, K>(q, keys, kr, b, h, c0, n, D, g0, partial, out, C); break;
+      }
+    }
+  }
+}
+#endif
+
 constexpr int64_t PV_TILE_BYTES = 16384;
 
 template <typename kv_t>
@@ -146,6 +204,16 @@ at::Tensor slot_logits(const at::Tensor& query_in, const at::Tensor& keys) {
     at::parallel_for(0, B * H, 1, [&](int64_t begin, int64_t end) {
       for (int64_t bh = begin; bh < end; ++bh) {
         const int64_t b = bh / H, h = bh % H;
+#if EVICTLAYERS_AVX512
+        if (D == 64) {
+          logits_avx512<4, 4, scalar_t>(q + bh * G * D, k, kr, o + bh * G * C, b, h, C, D, G);
+          continue;
+        }
+        if (D == 128) {
+          logits_avx512<8, 3, scalar_t>(q + bh * G * D, k, kr, o + bh * G * C, b, h, C, D, G);
+          continue;
+        }
+#endif
 #if EVICTLAYERS_AVX2
         if (D % 8 == 0) {
           logits_avx2<scalar_t>(q + bh * G * D, k, kr, o + bh * G * C, b, h, C, D, G);

@@ -19,8 +19,12 @@ Why kernels. A decode step's attention is ``G`` query rows (a GQA group) against
 its rate. These loops (AVX2 + FMA) read each slot once for up to 4 query rows (logits; tiles of 8 slots
 reduced to one vector per row by a tree of ``hadd``) or keep the output in registers across a tile of about
 16 KB of slots (values). With them compiled H2O decodes 1.18x as fast at 8k-token prompts, batch 8
-(docs/benchmarks.md, "The decode's matmuls over the slots", has the command). Other head dims (not a
-multiple of 8) and machines without AVX2, FMA and F16C run scalar loops with the same arithmetic. The softmax:
+(docs/benchmarks.md, "The decode's matmuls over the slots", has the command). Where the machine has AVX-512
+the loops run 16 floats wide for head dims that are a multiple of 16 (logits: head dims 64 and 128, tiles of
+16 slots with each row's query held in registers), which takes the two products at SmolLM2's shape from
+0.61x to 0.79x the rate a plain sum reads the slots (docs/benchmarks.md, "The decode's products over the
+slots"). Other head dims (not a multiple of 8) and machines without AVX2, FMA and F16C run scalar loops with
+the same arithmetic. The softmax:
 inductor's code for ``slot_softmax`` compared the int64 slot positions against the query's anew in every pass
 over every query row (four passes, ``G`` rows), and took about 1 ms per layer at SmolLM2's shape with 1,639 slots
 at batch 8, as long as either product; the op builds each head's visibility once as a row of ``0 / -inf`` and
