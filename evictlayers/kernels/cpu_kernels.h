@@ -227,94 +227,90 @@ inline __m512 sum16(const __m512* v) {
   }
   return _mm512_add_ps(_mm512_shuffle_ps(pairs[0], pairs[1], 0x88), _mm512_shuffle_ps(pairs[0], pairs[1], 0xDD));
 }
-
-// values_block with 16-wide vectors (Dv % 16 == 0): up to 4 rows x V vectors of accumulators in registers (the
-// 32 vector registers hold 16 of them, 4 broadcast weights and a slot's vector)
-template <int64_t R, int64_t V, typename kv_t>
-void values_block16(const float* probs, const int64_t* ps, const kv_t* const* slot, float* acc, int64_t c0, int64_t n,
-                    int64_t Dv, int64_t g0, int64_t d0) {
-  __m512 a[R][V];
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < V; ++j) a[r][j] = _mm512_loadu_ps(acc + (g0 + r) * Dv + d0 + 16 * j);
-  for (int64_t t = 0; t < n; ++t) {
-    const kv_t* v = slot[t] + d0;
-    __m512 w[R];
-    for (int64_t r = 0; r < R; ++r) w[r] = _mm512_set1_ps(probs[(g0 + r) * ps[2] + (c0 + t) * ps[3]]);
-    for (int64_t j = 0; j < V; ++j) {
-      const __m512 x = load16(v + 16 * j);
-      for (int64_t r = 0; r < R; ++r) a[r][j] = _mm512_fmadd_ps(w[r], x, a[r][j]);
-    }
-  }
-  for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < V; ++j) _mm512_storeu_ps(acc + (g0 + r) * Dv + d0 + 16 * j, a[r][j]);
-}
-
-template <int64_t R, typename kv_t>
-void values_rows16(const float* probs, const int64_t* ps, const kv_t* const* slot, float* acc, int64_t c0, int64_t n,
-                   int64_t Dv, int64_t g0) {
-  int64_t d0 = 0;
-  for (; d0 + 64 <= Dv; d0 += 64) values_block16<R, 4>(probs, ps, slot, acc, c0, n, Dv, g0, d0);
-  for (; d0 < Dv; d0 += 16) values_block16<R, 1>(probs, ps, slot, acc, c0, n, Dv, g0, d0);
-}
 #endif
 
 // PV over one tile of n slots (slot[t] points at slot c0 + t's Dv channels, Dv % 8 == 0): acc [G, Dv] f32 +=
 // sum_t probs[g, c0 + t] * slot[t], probs addressed by strides ps (its dims 2 and 3). Per block of up to
-// PV_ROWS rows and 8 * PV_VECTORS channels the accumulators stay in registers across the tile, so they are
-// loaded and stored once per tile rather than once per slot.
-constexpr int64_t PV_ROWS = 3, PV_VECTORS = 4;
+// Lanes::rows rows and PV_VECTORS vectors of channels the accumulators stay in registers across the tile, so they
+// are loaded and stored once per tile rather than once per slot. Lanes: 8 floats a vector (AVX2: 3 rows x 4
+// vectors of the 16 registers) or 16 (AVX-512, head dims that are a multiple of 16: 4 rows x 4 vectors of the 32,
+// half the loads and broadcasts of the 8-wide loop and 1.5-1.6x as fast at head dim 64).
+constexpr int64_t PV_VECTORS = 4;
 
-template <int64_t R, int64_t V, typename kv_t>
+struct Lanes8 {
+  using reg = __m256;
+  static constexpr int64_t width = 8, rows = 3;
+  static reg loadu(const float* x) { return _mm256_loadu_ps(x); }
+  template <typename kv_t>
+  static reg load(const kv_t* x) { return load8(x); }
+  static reg broadcast(float x) { return _mm256_set1_ps(x); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
+  static void storeu(float* x, reg v) { _mm256_storeu_ps(x, v); }
+};
+
+#if EVICTLAYERS_AVX512
+struct Lanes16 {
+  using reg = __m512;
+  static constexpr int64_t width = 16, rows = 4;
+  static reg loadu(const float* x) { return _mm512_loadu_ps(x); }
+  template <typename kv_t>
+  static reg load(const kv_t* x) { return load16(x); }
+  static reg broadcast(float x) { return _mm512_set1_ps(x); }
+  static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
+  static void storeu(float* x, reg v) { _mm512_storeu_ps(x, v); }
+};
+#endif
+
+template <typename Lanes, int64_t R, int64_t V, typename kv_t>
 void values_block(const float* probs, const int64_t* ps, const kv_t* const* slot, float* acc, int64_t c0, int64_t n,
                   int64_t Dv, int64_t g0, int64_t d0) {
-  __m256 a[R][V];
+  constexpr int64_t W = Lanes::width;
+  typename Lanes::reg a[R][V];
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < V; ++j) a[r][j] = _mm256_loadu_ps(acc + (g0 + r) * Dv + d0 + 8 * j);
+    for (int64_t j = 0; j < V; ++j) a[r][j] = Lanes::loadu(acc + (g0 + r) * Dv + d0 + W * j);
   for (int64_t t = 0; t < n; ++t) {
     const kv_t* v = slot[t] + d0;
-    __m256 w[R];
-    for (int64_t r = 0; r < R; ++r) w[r] = _mm256_set1_ps(probs[(g0 + r) * ps[2] + (c0 + t) * ps[3]]);
+    typename Lanes::reg w[R];
+    for (int64_t r = 0; r < R; ++r) w[r] = Lanes::broadcast(probs[(g0 + r) * ps[2] + (c0 + t) * ps[3]]);
     for (int64_t j = 0; j < V; ++j) {
-      const __m256 x = load8(v + 8 * j);
-      for (int64_t r = 0; r < R; ++r) a[r][j] = _mm256_fmadd_ps(w[r], x, a[r][j]);
+      const typename Lanes::reg x = Lanes::load(v + W * j);
+      for (int64_t r = 0; r < R; ++r) a[r][j] = Lanes::fmadd(w[r], x, a[r][j]);
     }
   }
   for (int64_t r = 0; r < R; ++r)
-    for (int64_t j = 0; j < V; ++j) _mm256_storeu_ps(acc + (g0 + r) * Dv + d0 + 8 * j, a[r][j]);
+    for (int64_t j = 0; j < V; ++j) Lanes::storeu(acc + (g0 + r) * Dv + d0 + W * j, a[r][j]);
 }
 
-template <int64_t R, typename kv_t>
+template <typename Lanes, int64_t R, typename kv_t>
 void values_rows(const float* probs, const int64_t* ps, const kv_t* const* slot, float* acc, int64_t c0, int64_t n,
                  int64_t Dv, int64_t g0) {
+  constexpr int64_t W = Lanes::width;
   int64_t d0 = 0;
-  for (; d0 + 8 * PV_VECTORS <= Dv; d0 += 8 * PV_VECTORS)
-    values_block<R, PV_VECTORS>(probs, ps, slot, acc, c0, n, Dv, g0, d0);
-  for (; d0 < Dv; d0 += 8) values_block<R, 1>(probs, ps, slot, acc, c0, n, Dv, g0, d0);
+  for (; d0 + W * PV_VECTORS <= Dv; d0 += W * PV_VECTORS)
+    values_block<Lanes, R, PV_VECTORS>(probs, ps, slot, acc, c0, n, Dv, g0, d0);
+  for (; d0 < Dv; d0 += W) values_block<Lanes, R, 1>(probs, ps, slot, acc, c0, n, Dv, g0, d0);
+}
+
+template <typename Lanes, typename kv_t>
+void values_tile_in(const float* probs, const int64_t* ps, const kv_t* const* slot, float* acc, int64_t c0, int64_t n,
+                    int64_t Dv, int64_t G) {
+  for (int64_t g0 = 0; g0 < G; g0 += Lanes::rows) {
+    switch (std::min(Lanes::rows, G - g0)) {
+      case 4: values_rows<Lanes, Lanes::rows >= 4 ? 4 : 1>(probs, ps, slot, acc, c0, n, Dv, g0); break;
+      case 3: values_rows<Lanes, 3>(probs, ps, slot, acc, c0, n, Dv, g0); break;
+      case 2: values_rows<Lanes, 2>(probs, ps, slot, acc, c0, n, Dv, g0); break;
+      default: values_rows<Lanes, 1>(probs, ps, slot, acc, c0, n, Dv, g0); break;
+    }
+  }
 }
 
 template <typename kv_t>
 void values_tile(const float* probs, const int64_t* ps, const kv_t* const* slot, float* acc, int64_t c0, int64_t n,
                  int64_t Dv, int64_t G) {
 #if EVICTLAYERS_AVX512
-  if (Dv % 16 == 0) {  // half the loads and broadcasts of the 8-wide loop: 1.5-1.6x as fast at head dim 64
-    for (int64_t g0 = 0; g0 < G; g0 += PV_ROWS + 1) {
-      switch (std::min(PV_ROWS + 1, G - g0)) {
-        case 4: values_rows16<4>(probs, ps, slot, acc, c0, n, Dv, g0); break;
-        case 3: values_rows16<3>(probs, ps, slot, acc, c0, n, Dv, g0); break;
-        case 2: values_rows16<2>(probs, ps, slot, acc, c0, n, Dv, g0); break;
-        default: values_rows16<1>(probs, ps, slot, acc, c0, n, Dv, g0); break;
-      }
-    }
-    return;
-  }
+  if (Dv % 16 == 0) return values_tile_in<Lanes16>(probs, ps, slot, acc, c0, n, Dv, G);
 #endif
-  for (int64_t g0 = 0; g0 < G; g0 += PV_ROWS) {
-    switch (std::min(PV_ROWS, G - g0)) {
-      case 3: values_rows<3>(probs, ps, slot, acc, c0, n, Dv, g0); break;
-      case 2: values_rows<2>(probs, ps, slot, acc, c0, n, Dv, g0); break;
-      default: values_rows<1>(probs, ps, slot, acc, c0, n, Dv, g0); break;
-    }
-  }
+  values_tile_in<Lanes8>(probs, ps, slot, acc, c0, n, Dv, G);
 }
 #endif
 

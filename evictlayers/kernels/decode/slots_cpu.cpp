@@ -134,7 +134,8 @@ void logits_tile16(const float* q, const kv_t* keys, Rows kr, int64_t b, int64_t
     for (int64_t r = 0; r < R; ++r) partial[r * 16 + evictlayers::sum16_place(t)] = acc[r];
   }
   const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
-  for (int64_t r = 0; r < R; ++r) _mm512_mask_storeu_ps(out + (g0 + r) * C + c0, lanes, evictlayers::sum16(partial + r * 16));
+  for (int64_t r = 0; r < R; ++r)
+    _mm512_mask_storeu_ps(out + (g0 + r) * C + c0, lanes, evictlayers::sum16(partial + r * 16));
 }
 
 // every row of one (b, h) in blocks of up to ROWS rows (ROWS * K <= 24 where K > 0)
