@@ -105,30 +105,23 @@ void logits_avx2(const float* q, const kv_t* keys, Rows kr, float* out, int64_t 
 using evictlayers::load16;
 
 // rows g0 .. g0 + R of one tile of n <= 16 slots, 16-wide: each slot's key read once for the R rows, their vectors
-// of partial sums reduced to one vector of 16 logits per row by sum16. K = D / 16 when it is known at compile time:
-// the rows' query then stays in registers (R * K <= 24 of the 32) where the loop would reload it from L1 per slot.
+// of partial sums reduced to one vector of 16 logits per row by sum16. K = D / 16 is known at compile time, so the
+// rows' query stays in registers (R * K <= 24 of the 32) where a loop over D would reload it from L1 per slot.
 template <int64_t R, int64_t K, typename kv_t>
-void logits_tile16(const float* q, const kv_t* keys, Rows kr, int64_t b, int64_t h, int64_t c0, int64_t n, int64_t D,
+void logits_tile16(const float* q, const kv_t* keys, Rows kr, int64_t b, int64_t h, int64_t c0, int64_t n,
                    int64_t g0, __m512* partial, float* out, int64_t C) {
-  __m512 resident[R][K > 0 ? K : 1];
-  if constexpr (K > 0)
-    for (int64_t r = 0; r < R; ++r)
-      for (int64_t j = 0; j < K; ++j) resident[r][j] = _mm512_loadu_ps(q + (g0 + r) * D + 16 * j);
+  constexpr int64_t D = 16 * K;
+  __m512 resident[R][K];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < K; ++j) resident[r][j] = _mm512_loadu_ps(q + (g0 + r) * D + 16 * j);
   for (int64_t t = 0; t < 16; ++t) {
     __m512 acc[R];
     for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
     if (t < n) {
       const kv_t* k = keys + kr.at(b, h, c0 + t);
-      if constexpr (K > 0) {
-        for (int64_t j = 0; j < K; ++j) {
-          const __m512 key = load16(k + 16 * j);
-          for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(resident[r][j], key, acc[r]);
-        }
-      } else {
-        for (int64_t d = 0; d < D; d += 16) {
-          const __m512 key = load16(k + d);
-          for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(q + (g0 + r) * D + d), key, acc[r]);
-        }
+      for (int64_t j = 0; j < K; ++j) {
+        const __m512 key = load16(k + 16 * j);
+        for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(resident[r][j], key, acc[r]);
       }
     }
     for (int64_t r = 0; r < R; ++r) partial[r * 16 + evictlayers::sum16_place(t)] = acc[r];
@@ -138,19 +131,18 @@ void logits_tile16(const float* q, const kv_t* keys, Rows kr, int64_t b, int64_t
     _mm512_mask_storeu_ps(out + (g0 + r) * C + c0, lanes, evictlayers::sum16(partial + r * 16));
 }
 
-// every row of one (b, h) in blocks of up to ROWS rows (ROWS * K <= 24 where K > 0)
+// every row of one (b, h) of head dim 16 * K in blocks of up to ROWS rows (ROWS * K <= 24)
 template <int64_t K, int64_t ROWS, typename kv_t>
-void logits_avx512(const float* q, const kv_t* keys, Rows kr, float* out, int64_t b, int64_t h, int64_t C, int64_t D,
-                   int64_t G) {
+void logits_avx512(const float* q, const kv_t* keys, Rows kr, float* out, int64_t b, int64_t h, int64_t C, int64_t G) {
   alignas(64) __m512 partial[ROWS * 16];
   for (int64_t c0 = 0; c0 < C; c0 += 16) {
     const int64_t n = std::min<int64_t>(16, C - c0);
     for (int64_t g0 = 0; g0 < G; g0 += ROWS) {
-      switch (std::min(ROWS, G - g0)) {
-        case 4: logits_tile16<ROWS >= 4 ? 4 : 1, K>(q, keys, kr, b, h, c0, n, D, g0, partial, out, C); break;
-        case 3: logits_tile16<ROWS >= 3 ? 3 : 1, K>(q, keys, kr, b, h, c0, n, D, g0, partial, out, C); break;
-        case 2: logits_tile16<2, K>(q, keys, kr, b, h, c0, n, D, g0, partial, out, C); break;
-        default: logits_tile16<1, K>(q, keys, kr, b, h, c0, n, D, g0, partial, out, C); break;
+      switch (std::min(ROWS, G - g0)) {  // case 4 never comes with ROWS = 3: it compiles as one row
+        case 4: logits_tile16<ROWS >= 4 ? 4 : 1, K>(q, keys, kr, b, h, c0, n, g0, partial, out, C); break;
+        case 3: logits_tile16<3, K>(q, keys, kr, b, h, c0, n, g0, partial, out, C); break;
+        case 2: logits_tile16<2, K>(q, keys, kr, b, h, c0, n, g0, partial, out, C); break;
+        default: logits_tile16<1, K>(q, keys, kr, b, h, c0, n, g0, partial, out, C); break;
       }
     }
   }
@@ -207,11 +199,11 @@ at::Tensor slot_logits(const at::Tensor& query_in, const at::Tensor& keys) {
         const int64_t b = bh / H, h = bh % H;
 #if EVICTLAYERS_AVX512
         if (D == 64) {
-          logits_avx512<4, 4, scalar_t>(q + bh * G * D, k, kr, o + bh * G * C, b, h, C, D, G);
+          logits_avx512<4, 4, scalar_t>(q + bh * G * D, k, kr, o + bh * G * C, b, h, C, G);
           continue;
         }
         if (D == 128) {
-          logits_avx512<8, 3, scalar_t>(q + bh * G * D, k, kr, o + bh * G * C, b, h, C, D, G);
+          logits_avx512<8, 3, scalar_t>(q + bh * G * D, k, kr, o + bh * G * C, b, h, C, G);
           continue;
         }
 #endif
