@@ -14,11 +14,14 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import cpu_kernel, decode, kernel, memory, overhead, prefill, prefill_kernel, report
+from benchmarks import cpu_kernel, cpu_linear, decode, kernel, memory, overhead, prefill, prefill_kernel, report
 from benchmarks.common import DEFAULT_MODEL, MODELS, RESULTS_DIR, Context, Settings, cpu_count
 
 # the order they run in: the quick ones first, so a broken setup shows within seconds
-FAMILIES = {module.NAME: module for module in (memory, overhead, decode, prefill, cpu_kernel, kernel, prefill_kernel)}
+FAMILIES = {
+    module.NAME: module
+    for module in (memory, overhead, decode, prefill, cpu_kernel, cpu_linear, kernel, prefill_kernel)
+}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -184,8 +187,8 @@ def run(settings: Settings, names: list[str]) -> dict:
 
 def subject_of(family, context: Context) -> dict:
     """``{"model": name}`` of the model a family measured (``memory``, ``decode``, ``prefill``); ``{}``
-    for those that never load it (``overhead``, ``cpu_kernel``, ``kernel``, ``prefill_kernel``: random tensors of
-    SmolLM2's shapes)."""
+    for those that never load it (``overhead``, ``cpu_kernel``, ``cpu_linear``, ``kernel``, ``prefill_kernel``: random
+    tensors of SmolLM2's shapes)."""
     return {"model": context.subject.name} if getattr(family, "USES_MODEL", False) else {}
 
 

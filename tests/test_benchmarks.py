@@ -176,6 +176,16 @@ def test_cpu_kernel_counts_the_bytes_each_configuration_reads(quick_run):
         assert r["info"]["bytes_read"] == 2 * slots_read * per_slot
 
 
+def test_cpu_linear_reads_every_weight_once_a_pass(quick_run):
+    """The quick pass's five float32 weights (out x in: 48 x 32, 16 x 32, 96 x 32, 32 x 96, 256 x 32)."""
+    result = quick_run[1]["benchmarks"]["cpu_linear"]
+    if result["status"] == "skipped":
+        pytest.skip(result["reason"])
+    rows = result["rows"]
+    assert {r["config"] for r in rows} == {"read", "blas", "few-rows"}
+    assert all(r["info"]["bytes_read"] == 4 * (48 + 16 + 96 + 96 + 256) * 32 for r in rows)
+
+
 def test_quick_runs_write_nothing_without_out(tmp_path, monkeypatch):
     from benchmarks import common, suite
 
@@ -204,7 +214,7 @@ def test_default_model_keeps_the_machine_file_name_and_records_the_model(quick_r
     for name in ("memory", "decode", "prefill"):
         assert returned["benchmarks"][name]["model"] == "tiny-random-llama"
     # random tensors of SmolLM2's shapes: no model to name
-    for name in ("overhead", "cpu_kernel", "kernel", "prefill_kernel"):
+    for name in ("overhead", "cpu_kernel", "cpu_linear", "kernel", "prefill_kernel"):
         assert "model" not in returned["benchmarks"][name]
     assert "on tiny-random-llama" in (out / f"{returned['machine']}.md").read_text()
 

@@ -16,6 +16,7 @@ import evictlayers as el
 from evictlayers.compose import store as store_module
 from evictlayers.hf.compiled_forward import CompiledDecodeForward
 from evictlayers.hf.weights import weights_signature
+from evictlayers.kernels import linear_cpu
 from tiny_models import build, greedy, left_padded, single_thread  # noqa: F401
 
 POLICIES = {
@@ -144,9 +145,17 @@ def test_a_padded_step_ends_the_full_caches_graph(paths):
 def test_the_patch_puts_forward_back_as_it_was():
     model = build("llama")
     policy = POLICIES["h2o"]()
+    hooked = model.model.layers[0].mlp.up_proj
+    hooked.forward = hook = lambda input: torch.nn.functional.linear(input, hooked.weight)  # a hook's forward
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not hooked]
     with el.apply(model, policy, compile=True):
         assert isinstance(model.forward, CompiledDecodeForward)
+        assert all("forward" in m.__dict__ for m in linears) == linear_cpu.available()
+        assert hooked.forward is hook
     assert "forward" not in model.__dict__ and model.forward.__func__ is type(model).forward
+    assert not any("forward" in m.__dict__ for m in linears) and hooked.forward is hook
+    with el.apply(model, policy, compile="max-autotune"):  # the products left to inductor's own kernels
+        assert not any("forward" in m.__dict__ for m in linears)
     own = model.forward  # an instance forward of the model's own (accelerate's hooks install one)
     model.forward = lambda *args, **kwargs: own(*args, **kwargs)
     installed = model.forward
@@ -207,3 +216,40 @@ def test_the_weights_signature_changes_with_any_parameter_replaced_repointed_or_
 def test_an_unknown_compile_mode_is_refused_with_the_allowed_ones(compile):
     with pytest.raises(ValueError, match=r"compile=.*expected False, True or 'max-autotune'"):
         el.apply(build("llama"), POLICIES["h2o"](), compile=compile)
+
+
+@pytest.mark.skipif(not linear_cpu.available(), reason="the AVX-512 linear kernel is not built here")
+def test_the_graph_computes_every_weight_product_with_the_few_rows_op_and_reads_the_weights_in_place(monkeypatch):
+    # compile=True does not freeze the weights: few_rows_linear reads each where it stands, so a weight changed
+    # between steps is read as changed, in the same graph
+    model, policy = build("llama"), POLICIES["h2o"]()
+    graphs = []  # each traced graph's call targets
+    compile = torch.compile
+
+    def recording(graph, example_inputs):
+        graphs.append([node.target for node in graph.graph.nodes if node.op == "call_function"])
+        return graph.forward
+
+    monkeypatch.setattr(torch, "compile", lambda function, **options: compile(function, backend=recording,
+                                                                               fullgraph=True))
+    torch._dynamo.reset()
+    counters.clear()
+    weight = model.model.layers[1].mlp.up_proj.weight
+    original = weight.detach().clone()
+    ids, mask = left_padded([30, 24])
+    with torch.no_grad():
+        with el.apply(model, policy, compile=True):
+            before = greedy(model, ids, mask, 6)
+            weight.mul_(-2.0)
+            changed = greedy(model, ids, mask, 6)
+        with el.apply(model, policy):
+            eager_changed = greedy(model, ids, mask, 6)
+        weight.copy_(original)
+    linears = sum(isinstance(module, torch.nn.Linear) for module in model.modules())
+    # the first step's graph holds its step count as a constant, the second is generic over it; none after
+    assert 1 <= len(graphs) <= 2
+    for targets in graphs:
+        assert targets.count(linear_cpu.few_rows_linear) == linears
+        assert torch.nn.functional.linear not in targets and torch._C._nn.linear not in targets
+    torch.testing.assert_close(torch.stack(changed.logits), torch.stack(eager_changed.logits), rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(torch.stack(before.logits), torch.stack(changed.logits))

@@ -26,6 +26,7 @@ def test_wheel_ships_recipes_and_they_load_outside_the_repo(tmp_path):
     assert "evictlayers/kernels/quantized_decode/int4_cpu.cpp" in names  # compiled on first use
     assert "evictlayers/kernels/prefill/mass_cpu.cpp" in names
     assert "evictlayers/kernels/decode/slots_cpu.cpp" in names and "evictlayers/kernels/cpu_kernels.h" in names
+    assert "evictlayers/kernels/linear_cpu.cpp" in names
 
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],

@@ -2,8 +2,10 @@
 
 Module replacement, Liger-style: each attention module's class is swapped for a subclass that routes
 attention through the slot store, every config's attention implementation points at the registered
-evictlayers function, and a forward pre-hook gives each forward an ``EvictionCache``. Exiting restores
-classes, configs and hooks; parameters and ``state_dict`` keys are never touched.
+evictlayers function, and a forward pre-hook gives each forward an ``EvictionCache``. With ``compile=True`` on
+a CPU model, each ``nn.Linear`` also gets a forward that runs a step's few-row products with
+``kernels/linear_cpu.py``'s op. Exiting restores classes, configs, hooks and forwards; parameters and
+``state_dict`` keys are never touched.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from evictlayers.hf.induction import induction_scores
 from evictlayers.hf.rotary import model_rotary_tables
 from evictlayers.hf.sentences import sentence_end_table
 from evictlayers.hf.support import attention_implementation, model_support
+from evictlayers.kernels import linear_cpu
 from evictlayers.kernels.decode import slots_cpu
 from evictlayers.kernels.prefill import mass_cpu
 
@@ -119,7 +122,20 @@ class EvictionRun:
             # hooks put one) is put back by remove()
             self._own_forward = self.model.__dict__.get("forward", _ABSENT)
             self.model.forward = CompiledDecodeForward(self, self.model.forward, mode=self.compile)
+        # compile=True only: under "max-autotune" inductor times its own kernels for the frozen weights' products
+        self._linears = self._route_linears() if self.compile is True else []
         self.model._evictlayers_run = self
+
+    def _route_linears(self) -> list[tuple[nn.Linear, object]]:
+        """Give each plain ``nn.Linear`` of a CPU model ``few_rows_forward`` (a decode step's products of one row
+        per sequence, which BLAS runs far below its rate); a layer that already has an instance forward (a hook's)
+        keeps it. The linears given one, each with it."""
+        if self.model.device.type != "cpu" or not linear_cpu.available():
+            return []
+        routed = [m for m in self.model.modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
+        for module in routed:
+            module.forward = linear_cpu.few_rows_forward(module)
+        return [(module, module.forward) for module in routed]
 
     def remove(self) -> None:
         """Restore the model exactly as it was."""
@@ -127,6 +143,9 @@ class EvictionRun:
             return
         for hook in self._hooks:
             hook.remove()
+        for module, forward in self._linears:
+            if module.__dict__.get("forward") is forward:  # not replaced by someone else since
+                del module.forward
         if self.compile:
             if self._own_forward is _ABSENT:
                 del self.model.forward
@@ -280,7 +299,8 @@ def apply(model: nn.Module, policy: Policy, compile: bool | str = False, tokeniz
     cache kept in position order (unpadded prompts, on CPU), as one graph of the whole model
     (``hf/compiled_forward.py``), any other step (a padded full cache, a hybrid model, a ClusterSketch)
     layer by layer; prefill stays eager. A policy whose per-step code cannot be traced raises
-    ``CompileError``, never falls back.
+    ``CompileError``, never falls back. On a CPU with AVX-512 each ``nn.Linear`` runs a step's products of at
+    most 8 rows with ``kernels/linear_cpu.py``'s op, which reads the weights in place; exiting restores them.
 
     ``compile="max-autotune"`` compiles the same graphs, and in the whole model's graph also freezes the
     weights (inductor's ``freezing``: under ``torch.no_grad`` or ``torch.inference_mode``, the weights become

@@ -1,0 +1,70 @@
+"""``cpu_linear``: a decode step's weight products on CPU, ``evictlayers::few_rows_linear`` against ``F.linear``.
+
+One call multiplies every weight of a model of SmolLM2-135M's shapes (30 layers of query, key, value, output,
+gate, up and down projections, then the 49,152 x 576 output head; random float32 weights, as a step reads them,
+one after another, each from memory: together they are larger than the CPU's caches) by ``rows`` input rows,
+the one token per sequence of a decode step at batch ``rows``.
+
+- ``read``: a sum over every weight, the bytes each product reads, at the rate this thread reads memory
+  (baseline of ``gb_per_s``);
+- ``blas``: ``torch.nn.functional.linear`` (what a step runs without the op; baseline of ``time_us``);
+- ``few-rows``: ``evictlayers::few_rows_linear`` (``evictlayers/kernels/linear_cpu.cpp``), what
+  ``evictlayers.apply(compile=True)`` runs on CPU.
+
+Skipped, with the reason printed, where the op has no AVX-512 kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from benchmarks.common import Case, Context, kernel_row, timed_blocks
+
+NAME = "cpu_linear"
+DEFAULT_REPEATS = 7
+CONFIGS = ("read", "blas", "few-rows")
+HIDDEN, INTERMEDIATE, KV_WIDTH, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
+
+
+def sizes(quick: bool) -> tuple[list[tuple[int, int]], tuple[int, ...], int]:
+    """(the (out, in) shapes of one pass's weights in order, input row counts, passes per block)."""
+    if quick:
+        return [(48, 32), (16, 32), (96, 32), (32, 96), (256, 32)], (1, 3), 2
+    layer = [(HIDDEN, HIDDEN), (KV_WIDTH, HIDDEN), (KV_WIDTH, HIDDEN), (HIDDEN, HIDDEN),
+             (INTERMEDIATE, HIDDEN), (INTERMEDIATE, HIDDEN), (HIDDEN, INTERMEDIATE)]
+    return layer * LAYERS + [(VOCAB, HIDDEN)], (1, 4, 8), 3
+
+
+def skip_reason(context: Context) -> str | None:
+    from evictlayers.kernels import linear_cpu
+
+    if not linear_cpu.available():
+        return "the op has no AVX-512 kernel here (see the warning above, or the machine has no AVX-512)"
+    return None
+
+
+def cases(context: Context) -> list[Case]:
+    from evictlayers.kernels.linear_cpu import few_rows_linear
+
+    shapes, row_counts, passes = sizes(context.settings.quick)
+    repeats = context.settings.repeats_for(DEFAULT_REPEATS)
+    weights: list[torch.Tensor] = []  # built by the first case, shared by the rest
+
+    def measure(config: str, rows: int) -> dict:
+        if not weights:
+            generator = torch.Generator().manual_seed(0)
+            weights.extend(torch.randn(shape, generator=generator) / shape[1] ** 0.5 for shape in shapes)
+        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
+        product = {"blas": torch.nn.functional.linear, "few-rows": lambda x, w: few_rows_linear(x, w, None)}
+
+        def one_pass():
+            for w in weights:
+                w.sum() if config == "read" else product[config](inputs[w.shape[1]], w)
+
+        with torch.inference_mode():
+            seconds, _ = timed_blocks(one_pass, 1, passes, repeats)
+        moved = sum(w.nbytes for w in weights)
+        return kernel_row(config, {"rows": rows}, seconds, moved, "blas", "read", {"bytes_read": moved})
+
+    return [Case(NAME, config, {"rows": rows}, 2.0, lambda c=config, r=rows: measure(c, r))
+            for rows in row_counts for config in CONFIGS]

@@ -1,0 +1,81 @@
+"""A decode step's weight products on CPU: ``evictlayers::few_rows_linear`` (C++, ``linear_cpu.cpp``) and the
+linear layers' forward that sends a step's products to it.
+
+- ``few_rows_linear(input [..., K] f32, weight [N, K] f32, bias [N] f32 | None) -> [..., N] f32``: what
+  ``torch.nn.functional.linear`` computes (its reference), for an input of a few rows.
+
+Why. A decode step multiplies every weight of the model by one row per sequence: a matrix of 1 to 8 rows, a
+shape BLAS runs far below its rate. The kernel reads each weight row once for up to 8 input rows, in place:
+nothing is packed, so a weight changed between steps is read as it is, unlike ``compile="max-autotune"``,
+whose graph holds the weights it froze. On a 2-core AMD EPYC (AVX-512, one thread), SmolLM2-135M's weight
+products, read from memory as a step reads them, take 0.46x, 0.40x and 0.45x BLAS's time at 1, 4 and 8 rows
+(docs/benchmarks.md, "The decode's weight products", has the command).
+
+``evictlayers.apply(model, policy, compile=True)`` gives each ``torch.nn.Linear`` of a CPU model
+(the class itself, not a subclass such as a quantised layer's) the forward ``few_rows_forward`` for as long as the
+patch is active: a call whose input has at most ``MAX_ROWS`` rows, float32 tensors and no gradient to record
+(``serves``) runs the op, and every other call (a prompt's prefill) ``F.linear`` as before. The compiled decode
+forward traces the op into its graph. The op is built by ``kernels/cpu_extension.py`` on first use; where it
+cannot be built, or the machine has no AVX-512 (``available``), no forward is replaced.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from evictlayers.kernels.cpu_extension import build
+
+SOURCE = Path(__file__).with_name("linear_cpu.cpp")
+
+#: The most input rows the op serves: past 8 it reads each weight once per block of 8 rows, and at 16 rows (before
+#: its prefetch) it ran as fast as BLAS on the machine above (110 against 113 ms for SmolLM2's weights).
+MAX_ROWS = 8
+
+_LIB = torch.library.Library("evictlayers", "FRAGMENT")
+_LIB.define("few_rows_linear(Tensor input, Tensor weight, Tensor? bias) -> Tensor")
+torch.library.register_fake(
+    "evictlayers::few_rows_linear",
+    lambda input, weight, bias: input.new_empty((*input.shape[:-1], weight.shape[0])),
+    lib=_LIB,
+)
+few_rows_linear = torch.ops.evictlayers.few_rows_linear
+
+
+def extension():
+    """The compiled module (its import registers the op's CPU kernel), built on the first call; ``None`` (after
+    one warning) when it cannot be built."""
+    return build("evictlayers_linear_cpu", SOURCE, "CPU kernel for the decode's weight products",
+                 "the compiled decode forward's linear layers run BLAS instead (same results, slower)")
+
+
+def available() -> bool:
+    """Whether the op has its AVX-512 kernel here (building it on the first call)."""
+    module = extension()
+    return module is not None and module.vectorised()
+
+
+def serves(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether ``F.linear(input, weight, bias)`` goes to the op: float32 CPU tensors, a 2-D weight, at most
+    ``MAX_ROWS`` input rows, no gradient to record (the op has no backward; a model's parameters require one,
+    so this means autograd is off, as it is while generating)."""
+    tensors = (input, weight) if bias is None else (input, weight, bias)
+    recording = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+    return (
+        not recording and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        and weight.dim() == 2 and input.dim() >= 1 and input.shape[-1] == weight.shape[1]
+        and input.numel() <= MAX_ROWS * weight.shape[1]
+    )
+
+
+def few_rows_forward(module: torch.nn.Linear):
+    """A forward for ``module`` that computes ``few_rows_linear`` where ``serves`` accepts the call and
+    ``F.linear`` otherwise: ``evictlayers.apply(compile=True)`` sets it as the instance's ``forward``."""
+
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        if serves(input, module.weight, module.bias):
+            return few_rows_linear(input, module.weight, module.bias)
+        return torch.nn.functional.linear(input, module.weight, module.bias)
+
+    return forward
