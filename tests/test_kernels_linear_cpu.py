@@ -74,7 +74,7 @@ def graph_targets(function, *args) -> list:
 def test_the_forward_runs_the_op_for_few_rows_and_blas_otherwise():
     layer = torch.nn.Linear(24, 10)
     forward = few_rows_forward(layer)
-    few, many = torch.randn(8, 1, 24), torch.randn(9, 24)
+    few, many = torch.randn(32, 1, 24), torch.randn(33, 24)
     with torch.no_grad():
         assert few_rows_linear in graph_targets(forward, few)
         assert few_rows_linear not in graph_targets(forward, many)  # past MAX_ROWS: BLAS's product

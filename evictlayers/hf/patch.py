@@ -300,7 +300,7 @@ def apply(model: nn.Module, policy: Policy, compile: bool | str = False, tokeniz
     (``hf/compiled_forward.py``), any other step (a padded full cache, a hybrid model, a ClusterSketch)
     layer by layer; prefill stays eager. A policy whose per-step code cannot be traced raises
     ``CompileError``, never falls back. On a CPU with AVX-512 each ``nn.Linear`` runs a step's products of at
-    most 8 rows with ``kernels/linear_cpu.py``'s op, which reads the weights in place; exiting restores them.
+    most 32 rows with ``kernels/linear_cpu.py``'s op, which reads the weights in place; exiting restores them.
 
     ``compile="max-autotune"`` compiles the same graphs, and in the whole model's graph also freezes the
     weights (inductor's ``freezing``: under ``torch.no_grad`` or ``torch.inference_mode``, the weights become
