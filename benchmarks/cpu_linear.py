@@ -54,12 +54,13 @@ def cases(context: Context) -> list[Case]:
         if not weights:
             generator = torch.Generator().manual_seed(0)
             weights.extend(torch.randn(shape, generator=generator) / shape[1] ** 0.5 for shape in shapes)
-        inputs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in weights}
-        product = {"blas": torch.nn.functional.linear, "few-rows": lambda x, w: few_rows_linear(x, w, None)}
+        inputs = {width: torch.randn(rows, width) for width in {w.shape[1] for w in weights}}
+        call = {"read": lambda x, w: w.sum(), "blas": torch.nn.functional.linear,
+                "few-rows": lambda x, w: few_rows_linear(x, w, None)}[config]
 
         def one_pass():
             for w in weights:
-                w.sum() if config == "read" else product[config](inputs[w.shape[1]], w)
+                call(inputs[w.shape[1]], w)
 
         with torch.inference_mode():
             seconds, _ = timed_blocks(one_pass, 1, passes, repeats)

@@ -95,11 +95,11 @@ at::Tensor few_rows_linear(const at::Tensor& input, const at::Tensor& weight, co
   sizes.back() = N;
   at::Tensor out = at::empty(sizes, input.options());
   const int64_t M = x.size(0);
-  const float* bp = bias ? b.data_ptr<float>() : nullptr;
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>(), *bp = bias ? b.data_ptr<float>() : nullptr;
+  float* op = out.data_ptr<float>();
   for (int64_t m0 = 0; m0 < M; m0 += 8) {
-    const float* xr = x.data_ptr<float>() + m0 * K;
-    float* o = out.data_ptr<float>() + m0 * N;
-    const float* wp = w.data_ptr<float>();
+    const float* xr = xp + m0 * K;
+    float* o = op + m0 * N;
     switch (std::min<int64_t>(8, M - m0)) {
       case 8: block<8>(xr, K, wp, bp, N, o); break;
       case 7: block<7>(xr, K, wp, bp, N, o); break;
