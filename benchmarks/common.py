@@ -52,7 +52,8 @@ class Settings:
     model: str = DEFAULT_MODEL  # a key of MODELS
     prompts: tuple[int, ...] | None = None  # ``--prompts``: decode/prefill prompt lengths instead of their own
     configs: tuple[str, ...] | None = None  # ``--configs``: run only these configurations
-    interleave: bool = False  # ``--interleave``: decode rows timed in blocks alternating with the baseline's
+    # ``--interleave [CONFIG]``: the decode configuration each row's blocks alternate with (None: not interleaved)
+    interleave: str | None = None
 
     def wants(self, config: str) -> bool:
         """Whether ``--configs`` (if given) lets configuration ``config`` run."""

@@ -35,7 +35,9 @@ Beside it:
 - with ``--interleave``, ``vs_hf_sdpa_beside``: the row's blocks alternate with blocks of ``hf-sdpa``
   decoding beside it from its own cache, and this is the median over those pairs of the row's tokens/s
   over the baseline's (``beside_range`` their range). Rows timed one after the other carry whatever the
-  shared host did meanwhile; a pair's two blocks see the same host.
+  shared host did meanwhile; a pair's two blocks see the same host. ``--interleave CONFIG`` pairs every
+  other row with ``CONFIG`` instead (``vs_<CONFIG>_beside``, e.g. ``vs_el_h2o_compiled_beside``: int4 H2O
+  against the dense H2O it is meant to beat).
 """
 
 from __future__ import annotations
@@ -121,6 +123,7 @@ CONFIGS = [
 # batch 8, on two cores): these run only when --configs names them
 OPT_IN = {config for config, _, compile in CONFIGS if compile == "max-autotune"}
 COMPILE = {config: compile for config, _, compile in CONFIGS}
+FAMILY = {config: family for config, family, _ in CONFIGS}
 # fraction of the prompt each family keeps (estimate only)
 BUDGET = {"hf": 1.0, "full": 1.0, "h2o": 0.2, "h2o_int4": 0.2}
 
@@ -211,13 +214,14 @@ def decode(context: Context, config: str, source: Prefilled, batch: int, plan: P
         return *timed_blocks(side.loop, plan.warmup, plan.steps, plan.repeats), side.cache
 
 
-def decode_beside(context: Context, config: str, source: Prefilled, baseline: Prefilled, batch: int, plan: Plan):
-    """``decode`` with each block of ``config`` followed by a block of ``BASELINE`` from its own cache (each
+def decode_beside(context: Context, config: str, source: Prefilled, beside: str, baseline: Prefilled, batch: int,
+                  plan: Plan):
+    """``decode`` with each block of ``config`` followed by a block of ``beside`` from its own cache (each
     side warmed up first, each block inside its own context); returns ``(seconds per step per block,
-    the baseline's, graphs compiled while timed, cache)``."""
+    the other side's, graphs compiled while timed, cache)``."""
     with torch.inference_mode():
         mine = prepare(context, config, source, batch, plan)
-        theirs = prepare(context, BASELINE, baseline, batch, plan)
+        theirs = prepare(context, beside, baseline, batch, plan)
         compiles = 0
         for side in (mine, theirs):
             with side.enter():
@@ -234,8 +238,9 @@ def decode_beside(context: Context, config: str, source: Prefilled, baseline: Pr
 
 def cases(context: Context) -> list[Case]:
     settings, plan = context.settings, make_plan(context)
+    beside = settings.interleave  # --interleave: the configuration every other row is timed beside
     memo = PrefillMemo(context)
-    baselines: dict[int, Prefilled] = {}  # --interleave: the baseline's prefill per prompt, beside every family
+    baselines: dict[int, Prefilled] = {}  # beside's prefill per prompt, for every other family
     baseline_bytes: dict[tuple[int, int], int] = {}
     fastest_hf: dict[tuple[int, int], float] = {}  # the hf family is measured first for every prompt
     bandwidth: list[float] = []  # measured once, at the first measurement (after the model is loaded)
@@ -247,13 +252,14 @@ def cases(context: Context) -> list[Case]:
         if COMPILE[config] and not settings.compile:
             return skipped(config, params, "--no-compile")
         source = memo.get(family, prompt)
-        beside = None
-        if settings.interleave and config != BASELINE:
-            if family != "hf" and prompt not in baselines:
-                baselines[prompt] = prefill_family(context, "hf", prompt)
-            baseline = source if family == "hf" else baselines[prompt]
-            seconds, base_seconds, timed_compiles, cache = decode_beside(context, config, source, baseline, batch, plan)
-            beside = [b / s for s, b in zip(seconds, base_seconds)]  # tokens/s over the baseline's, per pair
+        pairs = None
+        if beside and config != beside:
+            if family != FAMILY[beside] and prompt not in baselines:
+                baselines[prompt] = prefill_family(context, FAMILY[beside], prompt)
+            baseline = source if family == FAMILY[beside] else baselines[prompt]
+            seconds, base_seconds, timed_compiles, cache = decode_beside(context, config, source, beside, baseline,
+                                                                         batch, plan)
+            pairs = [b / s for s, b in zip(seconds, base_seconds)]  # tokens/s over the other side's, per pair
         else:
             result = decode(context, config, source, batch, plan)
             if isinstance(result, str):
@@ -281,9 +287,9 @@ def cases(context: Context) -> list[Case]:
             "weights_matmul_ms": weights_matmul[batch] * 1e3,
             "weights_matmul_share": weights_matmul[batch] * median / batch,
         }
-        if beside is not None:
-            info["vs_hf_sdpa_beside"] = statistics.median(beside)
-            info["beside_range"] = f"{min(beside):.2f}-{max(beside):.2f}"
+        if pairs is not None:
+            info[f"vs_{beside.replace('-', '_')}_beside"] = statistics.median(pairs)
+            info["beside_range"] = f"{min(pairs):.2f}-{max(pairs):.2f}"
         if COMPILE[config]:
             info["timed_compiles"] = timed_compiles
         return row(config, params, {"tokens_per_s": metric(tokens_per_s, "tokens/s", BASELINE, True)}, info)
@@ -298,8 +304,9 @@ def cases(context: Context) -> list[Case]:
                     out.append(Case(
                         NAME, config, {"prompt": prompt, "batch": batch},
                         estimate_case(context, plan, family, prompt, batch, compiled, prefills=first)
-                        + (estimate_case(context, plan, "hf", prompt, batch, False, prefills=False)
-                           if settings.interleave and config != BASELINE else 0.0),
+                        + (estimate_case(context, plan, FAMILY[beside], prompt, batch, COMPILE[beside],
+                                         prefills=False)
+                           if beside and config != beside else 0.0),
                         lambda c=config, f=family, p=prompt, b=batch: measure(c, f, p, b),
                     ))
     return out

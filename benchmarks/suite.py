@@ -48,10 +48,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="prompt lengths for decode and prefill instead of their own")
     parser.add_argument("--configs", nargs="+", metavar="CONFIG",
                         help="run only these configurations (e.g. hf-eager el-h2o); a ratio needs its baseline")
-    parser.add_argument("--interleave", action="store_true",
-                        help="decode: time each configuration's blocks alternating with blocks of the baseline "
-                             "(hf-sdpa) decoding beside it, and report the ratio of each pair (vs_hf_sdpa_beside)")
+    parser.add_argument("--interleave", nargs="?", const=decode.BASELINE, metavar="CONFIG",
+                        help="decode: time each configuration's blocks alternating with blocks of CONFIG (default: "
+                             "the baseline, hf-sdpa) decoding beside it, and report the median ratio of the pairs "
+                             "(vs_<CONFIG>_beside, e.g. vs_hf_sdpa_beside)")
     args = parser.parse_args(argv)
+    if args.interleave is not None and args.interleave not in decode.COMPILE:
+        parser.error(f"--interleave {args.interleave}: not a decode configuration; choose one of "
+                     f"{', '.join(decode.COMPILE)}")
+    if args.interleave is not None and decode.COMPILE[args.interleave] and args.no_compile:
+        parser.error(f"--interleave {args.interleave} compiles, which --no-compile rules out")
     if args.prompts is not None and min(args.prompts) < 2:
         parser.error("--prompts must be >= 2 tokens")
     if args.repeats is not None and args.repeats < 1:

@@ -367,6 +367,30 @@ def test_interleave_runs_for_real():
         assert 0 < low and low - 0.005 <= r["info"]["vs_hf_sdpa_beside"] <= high + 0.005
 
 
+def test_interleave_beside_another_configuration(capsys):
+    """``--interleave CONFIG`` pairs every other row with ``CONFIG`` (here the full cache, from its own
+    prefill: a budgeted row's pair partner is another family) and names the ratio after it; an unknown name,
+    or a compiled one under ``--no-compile``, is refused naming what is allowed."""
+    returned = main(["--quick", "--no-compile", "--threads", "1", "--only", "decode", "--prompts", "48",
+                     "--configs", "el-full", "el-h2o", "--interleave", "el-full"])
+    rows = returned["benchmarks"]["decode"]["rows"]
+    assert {r["config"] for r in rows} == {"el-full", "el-h2o"}
+    for r in rows:
+        assert "vs_hf_sdpa_beside" not in r["info"]
+        if r["config"] == "el-full":
+            assert "vs_el_full_beside" not in r["info"]
+            continue
+        low, high = (float(x) for x in r["info"]["beside_range"].split("-"))
+        assert 0 < low and low - 0.005 <= r["info"]["vs_el_full_beside"] <= high + 0.005
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main(["--quick", "--only", "decode", "--interleave", "el-h2o-int8"])
+    assert "--interleave el-h2o-int8: not a decode configuration; choose one of hf-sdpa, " in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--quick", "--no-compile", "--only", "decode", "--interleave", "el-h2o-compiled"])
+    assert "--interleave el-h2o-compiled compiles, which --no-compile rules out" in capsys.readouterr().err
+
+
 def test_decode_loop_hands_every_step_the_mask_in_one_layout():
     """A compiled forward guards on the mask's strides: a last step whose view is the whole (contiguous)
     mask would compile again inside the timed blocks."""

@@ -1,7 +1,7 @@
 """The int4 CPU ops (``quantized_decode/int4_cpu.py``, C++ in ``int4_cpu.cpp``): their PyTorch references
 against the layout's definition (``kernel_inputs.dequantized``), the compiled ops against the references on
-odd shapes (slot counts that fill no tile of 8, strided slices of a larger cache, 1-7 query rows per KV
-head, groups that take the AVX2 path and groups that take the scalar loops, every scale dtype) with their
+odd shapes (slot counts that fill no tile of 8 or 16, strided slices of a larger cache, 1-7 query rows per KV
+head, groups that take the AVX-512 path, the AVX2 path and the scalar loops, every scale dtype) with their
 outputs poisoned with NaN, their gradients, and what happens when the extension cannot be built. The
 quantised decode op that calls them is checked in test_kernels_quantized.py."""
 
@@ -51,12 +51,14 @@ def test_the_extension_builds_here():
 
 
 CASES = [
-    # slots, head dim, group, query rows per KV head, scale dtype
+    # slots, head dim, group, query rows per KV head, scale dtype (groups of 32 or 64 channels: the AVX-512 loops
+    # where the machine has them, 16: the AVX2 ones)
     (1, 64, 32, 3, torch.bfloat16),
+    (33, 32, 32, 5, torch.float16),  # AVX-512 at head dim 32: blocks of 4 + 1 rows, tiles of 16 + 16 + 1 slots
     (9, 64, 32, 1, torch.float16),  # one full tile of 8 and one slot
     (100, 64, 16, 4, torch.float32),
     (37, 256, 32, 2, torch.bfloat16),  # Gemma 3's head dim
-    (45, 128, 64, 3, torch.bfloat16),
+    (45, 128, 64, 3, torch.bfloat16),  # AVX-512 at head dim 128: blocks of 2 + 1 rows, two 16-byte loads a group
     (23, 48, 16, 3, torch.float16),  # a head dim whose channels are not a multiple of 32
     (19, 64, 32, 7, torch.bfloat16),  # 7 query rows: blocks of 4 + 3 rows (QK), 3 + 3 + 1 (PV)
     (70, 128, 16, 5, torch.float32),  # PV tiles of 32 slots (16 KB): two whole, one of 6

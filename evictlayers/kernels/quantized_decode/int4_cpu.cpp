@@ -1,6 +1,7 @@
 // Decode attention's two matmuls straight from int4 codes on CPU (int4_cpu.py documents the ops, their layout and
-// the PyTorch references). No dequantised copy of the cache is made: QK dequantises each slot in registers, PV a
-// tile of ~16 KB of slots at a time into L1 for the dense slot ops' loop (cpu_kernels.h).
+// the PyTorch references). No dequantised copy of the cache is made: with AVX-512 both products dequantise each
+// slot in registers; with AVX2 QK does, PV dequantises a tile of ~16 KB of slots at a time into L1 for the dense
+// slot ops' loop (cpu_kernels.h).
 //
 // Layout (PackedKV): a slot's P bytes hold 2P codes, channel 2p in byte p's low nibble and 2p+1 in its high
 // one; group k of the slot's channels has one scale and zero point, so byte p (both nibbles) is in group
@@ -14,10 +15,11 @@
 // The ops register themselves as the CPU kernels of evictlayers::int4_logits and evictlayers::int4_values
 // (schemas defined in int4_cpu.py), so a call goes from the dispatcher straight here.
 //
-// The AVX2 path needs run % 8 == 0 (groups of a multiple of 16 channels): 8 bytes are widened to 32-bit lanes
-// in one instruction, split into their two nibbles there (a mask, a shift), converted and scaled by one FMA. Any
-// other even group, or a machine without AVX2, FMA and F16C, dequantises with scalar loops and multiplies them
-// the same way.
+// The AVX-512 path needs run % 16 == 0 (groups of a multiple of 32 channels) and head dims of 32, 64, 128 or 256;
+// the AVX2 path run % 8 == 0 (groups of a multiple of 16 channels): 8 bytes are widened to 32-bit lanes in one
+// instruction, split into their two nibbles there (a mask, a shift), converted and scaled by one FMA. Any other
+// even group, or a machine without AVX2, FMA and F16C, dequantises with scalar loops and multiplies them the same
+// way.
 #include <torch/extension.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Dispatch_v2.h>
@@ -26,6 +28,7 @@
 #include <algorithm>
 #include <optional>
 #include <tuple>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -191,6 +194,192 @@ void values_avx2(const float* probs, const int64_t* ps, const Codes<scale_t>& x,
 }
 #endif
 
+#if EVICTLAYERS_AVX512
+// AVX-512, for groups of a multiple of 32 channels (a group holds whole 16-byte loads) and P = 16 * NJ bytes per
+// slot (head dims 32, 64, 128, 256): each 16-byte load is widened to 16 32-bit lanes in one instruction, split
+// there into its two nibbles, converted and scaled. Both products dequantise in registers, where the AVX2 PV
+// writes a tile of floats to L1 and reads it back; QK's instruction stream is half the AVX2 one's. At SmolLM2's
+// shapes the two ops take 0.49-0.58x the dense slot ops' time, where the AVX2 loops took 1.03-1.11x (python -m
+// benchmarks --only cpu_kernel). They are bound by the vector units, not by memory: per slot and query row four
+// FMAs and a share of the tile's reduction, per slot the unpacking, which a CPU that splits 512-bit operations in
+// two (AMD Zen 4) runs at the 256-bit rate.
+
+// the 32 values of bytes 16j .. 16j + 15 dequantised in registers: lo the low nibbles (codes-order channels
+// 16j ..), hi the high ones (P + 16j ..)
+inline void dequantize32(const uint8_t* bytes, __m512 scale, __m512 zero, __m512& lo, __m512& hi) {
+  const __m512i lanes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes)));
+  lo = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_and_si512(lanes, _mm512_set1_epi32(15))), scale, zero);
+  hi = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(lanes, 4)), scale, zero);
+}
+
+// One (b, h) row of codes as the wide loops read it: base pointers and steps in registers (Codes reads its strides
+// through a pointer, which every vector store to the stack could alias, so they were reloaded per slot), and each
+// 16-byte load's group offset computed once (a division per load cost more than the load's arithmetic)
+template <int64_t NJ, typename scale_t>
+struct WideRow {
+  const uint8_t* codes;
+  const scale_t *scale, *zero;
+  int64_t code_step, scale_step, zero_step, scale_at[NJ], zero_at[NJ];
+
+  explicit WideRow(const Codes<scale_t>& x)
+      : codes(x.bytes(0)), scale(x.scale + x.sr.at(x.b, x.h, 0)), zero(x.zero + x.zr.at(x.b, x.h, 0)),
+        code_step(x.cr.strides[2]), scale_step(x.sr.strides[2]), zero_step(x.zr.strides[2]) {
+    const int64_t run = x.P / x.K;
+    for (int64_t j = 0; j < NJ; ++j) {
+      scale_at[j] = 16 * j / run * x.sr.strides[3];
+      zero_at[j] = 16 * j / run * x.zr.strides[3];
+    }
+  }
+  // slot c's 16-byte load j dequantised into lo, hi
+  void dequantize(int64_t c, int64_t j, __m512& lo, __m512& hi) const {
+    const float s = static_cast<float>(scale[c * scale_step + scale_at[j]]);
+    const float z = static_cast<float>(zero[c * zero_step + zero_at[j]]);
+    dequantize32(codes + c * code_step + 16 * j, _mm512_set1_ps(s), _mm512_set1_ps(z), lo, hi);
+  }
+};
+
+// rows per block: a block's query vectors (QK) or accumulators (PV), R x 2NJ, take at most 16 of the 32 registers
+template <int64_t NJ>
+constexpr int64_t ROWS512 = NJ <= 2 ? 4 : (NJ >= 8 ? 1 : 8 / NJ);
+
+// rows g0 .. g0 + R over all C slots in tiles of 16: the rows' query in registers for the whole pass, each slot
+// dequantised once for the R rows, the tile's vectors of partial sums reduced to one vector of 16 logits per row
+// by sum16 (cpu_kernels.h)
+template <int64_t NJ, int64_t R, typename scale_t>
+void logits_rows512(const float* q, const Codes<scale_t>& x, float* out, int64_t C, int64_t g0, int64_t ldo) {
+  constexpr int64_t P = 16 * NJ;
+  const WideRow<NJ, scale_t> row(x);
+  __m512 query[R][2 * NJ];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < 2 * NJ; ++j) query[r][j] = _mm512_loadu_ps(q + (g0 + r) * 2 * P + 16 * j);
+  alignas(64) __m512 partial[R * 16];
+  for (int64_t c0 = 0; c0 < C; c0 += 16) {
+    const int64_t n = std::min<int64_t>(16, C - c0);
+    for (int64_t t = 0; t < 16; ++t) {
+      __m512 acc[R];
+      for (int64_t r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+      if (t < n) {
+        for (int64_t j = 0; j < NJ; ++j) {
+          __m512 lo, hi;
+          row.dequantize(c0 + t, j, lo, hi);
+          for (int64_t r = 0; r < R; ++r) {
+            acc[r] = _mm512_fmadd_ps(query[r][j], lo, acc[r]);
+            acc[r] = _mm512_fmadd_ps(query[r][NJ + j], hi, acc[r]);
+          }
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) partial[r * 16 + evictlayers::sum16_place(t)] = acc[r];
+    }
+    const __mmask16 lanes = static_cast<__mmask16>((1u << n) - 1);
+    for (int64_t r = 0; r < R; ++r)
+      _mm512_mask_storeu_ps(out + (g0 + r) * ldo + c0, lanes, evictlayers::sum16(partial + r * 16));
+  }
+}
+
+// rows g0 .. g0 + R of out [G, 2P] = sum_c probs[g, c] * slot c: each slot dequantised in registers once for the
+// R rows, their 2NJ vectors of accumulators each in registers across all C slots
+template <int64_t NJ, int64_t R, typename scale_t>
+void values_rows512(const float* probs, const int64_t* ps, const Codes<scale_t>& x, float* out, int64_t C,
+                    int64_t g0) {
+  constexpr int64_t P = 16 * NJ;
+  const WideRow<NJ, scale_t> row(x);
+  const int64_t prow = ps[2], pcol = ps[3];
+  __m512 acc[R][2 * NJ];
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < 2 * NJ; ++j) acc[r][j] = _mm512_setzero_ps();
+  for (int64_t c = 0; c < C; ++c) {
+    __m512 weight[R];
+    for (int64_t r = 0; r < R; ++r) weight[r] = _mm512_set1_ps(probs[(g0 + r) * prow + c * pcol]);
+    for (int64_t j = 0; j < NJ; ++j) {
+      __m512 lo, hi;
+      row.dequantize(c, j, lo, hi);
+      for (int64_t r = 0; r < R; ++r) {
+        acc[r][j] = _mm512_fmadd_ps(weight[r], lo, acc[r][j]);
+        acc[r][NJ + j] = _mm512_fmadd_ps(weight[r], hi, acc[r][NJ + j]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < R; ++r)
+    for (int64_t j = 0; j < 2 * NJ; ++j) _mm512_storeu_ps(out + (g0 + r) * 2 * P + 16 * j, acc[r][j]);
+}
+
+// every row of one (b, h) in blocks of up to ROWS512<NJ> rows; Pass is logits_rows512 or values_rows512's call
+// with its block's row count R as a template argument
+template <int64_t NJ, typename Pass>
+void in_row_blocks(int64_t G, Pass pass) {
+  constexpr int64_t ROWS = ROWS512<NJ>;
+  for (int64_t g0 = 0; g0 < G; g0 += ROWS) {
+    switch (std::min(ROWS, G - g0)) {  // cases past ROWS never come: they compile as one row
+      case 4: pass(std::integral_constant<int64_t, ROWS >= 4 ? 4 : 1>(), g0); break;
+      case 3: pass(std::integral_constant<int64_t, ROWS >= 3 ? 3 : 1>(), g0); break;
+      case 2: pass(std::integral_constant<int64_t, ROWS >= 2 ? 2 : 1>(), g0); break;
+      default: pass(std::integral_constant<int64_t, 1>(), g0); break;
+    }
+  }
+}
+
+// calls body(std::integral_constant<NJ>) for the slot's bytes P = 16 * NJ with NJ in 1, 2, 4, 8 (head dims 32,
+// 64, 128, 256) and groups of a multiple of 32 channels; false (nothing run) for any other shape
+template <typename Body>
+bool with_wide_shape(int64_t P, int64_t K, Body body) {
+  if ((P / K) % 16 != 0) return false;
+  switch (P) {
+    case 16: body(std::integral_constant<int64_t, 1>()); return true;
+    case 32: body(std::integral_constant<int64_t, 2>()); return true;
+    case 64: body(std::integral_constant<int64_t, 4>()); return true;
+    case 128: body(std::integral_constant<int64_t, 8>()); return true;
+    default: return false;
+  }
+}
+
+template <typename scale_t>
+bool logits_avx512(const float* q, const Codes<scale_t>& x, float* out, int64_t C, int64_t G, int64_t ldo) {
+  return with_wide_shape(x.P, x.K, [&](auto nj) {
+    constexpr int64_t NJ = decltype(nj)::value;
+    in_row_blocks<NJ>(G, [&](auto rows, int64_t g0) {
+      logits_rows512<NJ, decltype(rows)::value>(q, x, out, C, g0, ldo);
+    });
+  });
+}
+
+template <typename scale_t>
+bool values_avx512(const float* probs, const int64_t* ps, const Codes<scale_t>& x, float* out, int64_t C,
+                   int64_t G) {
+  return with_wide_shape(x.P, x.K, [&](auto nj) {
+    constexpr int64_t NJ = decltype(nj)::value;
+    in_row_blocks<NJ>(G, [&](auto rows, int64_t g0) {
+      values_rows512<NJ, decltype(rows)::value>(probs, ps, x, out, C, g0);
+    });
+  });
+}
+#endif
+
+// the logits and values of one (b, h) by the widest loops its shape takes: AVX-512, AVX2 (chunked groups), scalar
+template <typename scale_t>
+void logits_any(const float* q, const Codes<scale_t>& x, float* out, int64_t C, int64_t G, int64_t ldo, bool chunked) {
+#if EVICTLAYERS_AVX512
+  if (logits_avx512(q, x, out, C, G, ldo)) return;
+#endif
+#if EVICTLAYERS_AVX2
+  if (chunked) return logits_avx2(q, x, out, C, G, ldo);
+#endif
+  (void)chunked;
+  logits_scalar(q, x, out, C, G, ldo);
+}
+
+template <typename scale_t>
+void values_any(const float* probs, const int64_t* ps, const Codes<scale_t>& x, float* out, int64_t C, int64_t G,
+                bool chunked) {
+#if EVICTLAYERS_AVX512
+  if (values_avx512(probs, ps, x, out, C, G)) return;
+#endif
+#if EVICTLAYERS_AVX2
+  if (chunked) return values_avx2(probs, ps, x, out, C, G);
+#endif
+  (void)chunked;
+  values_scalar(probs, ps, x, out, C, G);
+}
+
 // ---- the dense residual (the ring) ------------------------------------------------------------------------------
 
 // q [D] . k [D], k in the ring's dtype
@@ -286,12 +475,8 @@ at::Tensor int4_logits(const at::Tensor& query_in, const at::Tensor& codes, cons
     float* o = out.data_ptr<float>();
     const bool fast = chunked(codes, scale);
     each_row<scalar_t>(codes, scale, zero, [&](int64_t bh, const Codes<scalar_t>& x) {
-#if EVICTLAYERS_AVX2
-      if (fast) return logits_avx2(q + bh * G * 2 * P, x, o + bh * G * C, C, G, C);
-#endif
-      logits_scalar(q + bh * G * 2 * P, x, o + bh * G * C, C, G, C);
+      logits_any(q + bh * G * 2 * P, x, o + bh * G * C, C, G, C, fast);
     });
-    (void)fast;
   });
   return out;
 }
@@ -309,13 +494,8 @@ at::Tensor int4_values(const at::Tensor& probs, const at::Tensor& codes, const a
     float* o = out.data_ptr<float>();
     const bool fast = chunked(codes, scale);
     each_row<scalar_t>(codes, scale, zero, [&](int64_t bh, const Codes<scalar_t>& x) {
-      const float* probs_bh = p + x.b * ps[0] + x.h * ps[1];
-#if EVICTLAYERS_AVX2
-      if (fast) return values_avx2(probs_bh, ps, x, o + bh * G * 2 * P, C, G);
-#endif
-      values_scalar(probs_bh, ps, x, o + bh * G * 2 * P, C, G);
+      values_any(p + x.b * ps[0] + x.h * ps[1], ps, x, o + bh * G * 2 * P, C, G, fast);
     });
-    (void)fast;
   });
   return out;
 }
@@ -402,12 +582,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_attention(
             for (int64_t r = 0; r < R; ++r)
               if (overlaid[r] >= 0 && overlaid[r] < C) hidden[overlaid[r]] = evictlayers::NEG_INF;
           const float* qc = query_codes.data_ptr<float>() + bh * G * 2 * P;
-#if EVICTLAYERS_AVX2
-          if (fast)
-            logits_avx2(qc, keys, logits.data(), C, G, N);
-          else
-#endif
-            logits_scalar(qc, keys, logits.data(), C, G, N);
+          logits_any(qc, keys, logits.data(), C, G, N, fast);
           residual_logits(query.data_ptr<float>() + bh * G * 2 * P, ring_keys.data_ptr<scalar_t>(), rkr, b, h, R, 2 * P,
                       G, logits.data() + C, N);
           float* mass_bh = mass.data_ptr<float>() + bh * mass_columns;
@@ -419,12 +594,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_attention(
             for (int64_t r = 0; r < R; ++r)
               if (overlaid[r] >= 0 && overlaid[r] < C) mass_bh[overlaid[r]] += mass_row[C + r];
           }
-#if EVICTLAYERS_AVX2
-          if (fast)
-            values_avx2(logits.data(), probs_strides, values, codes_out.data(), C, G);
-          else
-#endif
-            values_scalar(logits.data(), probs_strides, values, codes_out.data(), C, G);
+          values_any(logits.data(), probs_strides, values, codes_out.data(), C, G, fast);
           // codes order (the Pv low nibbles, channels 0, 2, ..; then the high ones) back to channel order
           float* o = out.data_ptr<float>() + bh * G * 2 * Pv;
           for (int64_t g = 0; g < G; ++g)
@@ -437,7 +607,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> int4_attention(
       });
     }), at::kFloat, at::kBFloat16, at::kHalf);
   });
-  (void)fast;
   return {out, lse, mass};
 }
 
