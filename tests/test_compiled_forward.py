@@ -142,6 +142,23 @@ def test_a_padded_step_ends_the_full_caches_graph(paths):
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("name", ["h2o", "full"])
+def test_a_mask_shorter_than_the_tokens_so_far_is_refused_with_its_message(name):
+    """The whole-forward graph reads the mask eagerly first: a step whose mask misses a column gets the
+    eager path's ``ValueError``, not a ``CompileError`` from tracing the refusal."""
+    model = build("llama")
+    policy = POLICIES["h2o"]() if name == "h2o" else el.load_recipe("full")
+    ids = torch.randint(0, model.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(2, 30, dtype=torch.long)
+    torch._dynamo.reset()
+    with torch.no_grad(), el.apply(model, policy, compile=True) as run:
+        cache = run.new_cache()
+        model(ids, attention_mask=mask, past_key_values=cache)
+        model(ids[:, :1], attention_mask=torch.ones(2, 31, dtype=torch.long), past_key_values=cache)
+        with pytest.raises(ValueError, match="attention_mask has 31 columns, but the cache has seen 31 tokens"):
+            model(ids[:, :1], attention_mask=torch.ones(2, 31, dtype=torch.long), past_key_values=cache)
+
+
 def test_the_patch_puts_forward_back_as_it_was():
     model = build("llama")
     policy = POLICIES["h2o"]()

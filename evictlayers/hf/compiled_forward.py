@@ -98,7 +98,7 @@ class CompiledDecodeForward:
         evictlayers attention layer decoding in place, else ``None``. Grows first, eagerly, each full layer with
         no free slot left (as its own step would: ``SlotStore.make_room``), and reads whether the step's tokens
         are real where a full layer keeps its slots in position order (a padded token ends that order, which
-        the graph cannot branch on)."""
+        the graph cannot branch on); a mask with fewer columns than the tokens so far raises ``ValueError``."""
         cache = self.run.cache
         if self.run.step_tokens != 1 or not isinstance(cache, EvictionCache):
             return None
@@ -109,9 +109,11 @@ class CompiledDecodeForward:
             store.make_room()
         if not all(store.decodes_in_place() for store in stores):
             return None
-        in_order = next((store for store in stores if store.filled is not None), None)
-        real = None if in_order is None else self.run.real_tokens(in_order.seq_len, 1)
-        return stores if real is None or bool(real.all()) else None
+        # read eagerly for every cache: a mask shorter than the tokens so far is refused here, with its message,
+        # where inside the graph the refusal could not be traced and would surface as a CompileError
+        real = self.run.real_tokens(stores[0].seq_len, 1)
+        in_order = any(store.filled is not None for store in stores)
+        return stores if not in_order or real is None or bool(real.all()) else None
 
 
 def _own_code(function: Callable) -> Callable:
