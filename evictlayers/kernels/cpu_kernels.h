@@ -1,7 +1,8 @@
-// What the C++ CPU kernels share (decode/slots_cpu.cpp, quantized_decode/int4_cpu.cpp): addressing a slot row by
-// strides, the decode's softmax over one query row with the mass it adds up, and, on AVX2 machines, how the
-// decode's QK reduces and stores a tile of logits and the PV loops over a tile of float slots (slots_cpu.cpp runs
-// them on the cache's own rows, int4_cpu.cpp on rows it has just dequantised into L1).
+// What the C++ CPU kernels share (decode/slots_cpu.cpp, quantized_decode/int4_cpu.cpp, linear_cpu.cpp): addressing
+// a slot row by strides, the decode's softmax over one query row with the mass it adds up, and, on AVX2 machines,
+// how the decode's QK reduces and stores a tile of logits (sum16 with AVX-512, which int4_cpu.cpp's and
+// linear_cpu.cpp's loops also reduce by) and the PV loops over a tile of float slots (slots_cpu.cpp runs them on the
+// cache's own rows, int4_cpu.cpp's AVX2 path on rows it has just dequantised into L1).
 #pragma once
 
 #include <c10/util/BFloat16.h>
@@ -19,7 +20,7 @@
 #define EVICTLAYERS_AVX2 0
 #endif
 // AVX-512 loops where the machine has it and the head dim is a multiple of 16: a slot row of 64 floats is 4 vector
-// loads instead of 8 (PV here, QK in decode/slots_cpu.cpp)
+// loads instead of 8 (PV here, QK in decode/slots_cpu.cpp; int4_cpu.cpp's and linear_cpu.cpp's loops)
 #if EVICTLAYERS_AVX2 && defined(__AVX512F__)
 #define EVICTLAYERS_AVX512 1
 #else
