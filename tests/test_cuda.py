@@ -18,6 +18,7 @@ import evictlayers as el
 from evictlayers.compose.recipes import SHIPPED_RECIPES
 from evictlayers.compose.store import CompileError
 from evictlayers.kernels import dispatch
+from kernel_inputs import on_device, prefill_inputs, quantized_inputs
 from test_compile import LENGTHS, POLICIES
 from test_compile import decode_logits as compiled_decode_logits
 from tiny_models import build, left_padded
@@ -100,6 +101,25 @@ def test_cuda_compiled_quantized_step_is_refused():
     """Inductor's build of the int4 step computed other logits than the eager step on an H200: refused, not run."""
     with pytest.raises(CompileError, match="does not compile the decode step of layer 0 on CUDA with QuantizedKV"):
         decode_logits(build("llama"), POLICIES["h2o-int4"](), "cuda", compile=True, steps=1)
+
+
+def test_cuda_eager_kernel_calls_launch_without_the_higher_order_op(monkeypatch):
+    """An eager decode call launches its Triton kernels directly: through ``wrap_triton``'s higher-order op
+    each launch costs more host time than the kernels take at a few thousand slots."""
+    from torch._higher_order_ops import triton_kernel_wrap
+
+    from evictlayers.kernels.decode.triton import decode_attention_with_mass_triton
+    from evictlayers.kernels.quantized_decode.triton import quantized_decode_attention_with_mass_triton
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("an eager call launched a kernel through wrap_triton's higher-order op")
+
+    monkeypatch.setattr(triton_kernel_wrap.TraceableTritonKernelWrapper, "__call__", refuse)
+    query, key, value, query_pos, key_pos = on_device(prefill_inputs(0, 40, 1), "cuda")
+    dense = decode_attention_with_mass_triton(query[:, :, 0], key, value, query_pos[:, 0], key_pos, scaling=0.2)
+    query, packed, *rest = on_device(quantized_inputs(0, 40, 5), "cuda")
+    codes = quantized_decode_attention_with_mass_triton(query, packed, *rest, scaling=0.2)
+    assert dense.out[0].isfinite().all() and codes.out[0].isfinite().all()
 
 
 @pytest.mark.parametrize("family", ["llama", "gemma2"])

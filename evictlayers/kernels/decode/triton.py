@@ -32,6 +32,7 @@ from evictlayers.kernels.triton_common import (
     interpreting,
     masked_logits,
     next_power_of_2,
+    run_op,
     online_update,
     visible_slots,
 )
@@ -230,12 +231,11 @@ def decode_attention_with_mass_triton(
     (none with ``need_mass=False``) plus per-split statistics.
     Traced by ``torch.compile``, the launch is the custom op ``torch.ops.evictlayers.decode_attention_with_mass_triton``
     (``torch.library.triton_op``), which inductor sees through; run eagerly it is the same function called
-    directly, without the op's dispatch layers (they cost as much host time as the launch code itself).
+    directly (``triton_common.run_op``), without the op's dispatch layers.
     """
     check_inputs(query, key, value, query_pos, key_pos, gqa_reduce=gqa_reduce, score_gain=score_gain)
-    launch = _decode_op if torch.compiler.is_compiling() else _decode_launch
-    out, mass, lse = launch(query, key, value, query_pos, key_pos, scaling, softcap, sliding_window, gqa_reduce,
-                            score_gain, need_mass)
+    out, mass, lse = run_op(_decode_op, _decode_launch, query, key, value, query_pos, key_pos, scaling, softcap,
+                            sliding_window, gqa_reduce, score_gain, need_mass)
     return DecodeAttention(out, mass if need_mass else no_mass(*key_pos.shape, key_pos.device), lse)
 
 

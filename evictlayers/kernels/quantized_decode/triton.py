@@ -32,6 +32,7 @@ from evictlayers.kernels.triton_common import (
     interpreting,
     masked_logits,
     online_update,
+    run_op,
     soft_cap,
     visible_slots,
 )
@@ -196,10 +197,10 @@ def quantized_decode_attention_with_mass_triton(
         query, packed, residual_keys, residual_values, query_pos, key_pos, residual_pos,
         gqa_reduce=gqa_reduce, score_gain=score_gain,
     )
-    launch = _quantized_decode_op if torch.compiler.is_compiling() else _quantized_decode_launch
-    out, mass, lse = launch(
-        query, *packed[:7], residual_keys, residual_values, query_pos, key_pos, residual_pos, packed.bits,
-        packed.group, scaling, softcap, sliding_window, gqa_reduce, score_gain, need_mass,
+    out, mass, lse = run_op(
+        _quantized_decode_op, _quantized_decode_launch, query, *packed[:7], residual_keys, residual_values,
+        query_pos, key_pos, residual_pos, packed.bits, packed.group, scaling, softcap, sliding_window, gqa_reduce,
+        score_gain, need_mass,
     )
     if not need_mass:
         batch, kv_heads, n_codes = key_pos.shape
