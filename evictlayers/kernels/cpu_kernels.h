@@ -241,7 +241,9 @@ inline __m512 sum16(const __m512* v) {
 // Lanes::rows rows and PV_VECTORS vectors of channels the accumulators stay in registers across the tile, so they
 // are loaded and stored once per tile rather than once per slot. Lanes: 8 floats a vector (AVX2: 3 rows x 4
 // vectors of the 16 registers) or 16 (AVX-512, head dims that are a multiple of 16: 4 rows x 4 vectors of the 32,
-// half the loads and broadcasts of the 8-wide loop and 1.5-1.6x as fast at head dim 64).
+// half the loads and broadcasts of the 8-wide loop and 1.5-1.6x as fast at head dim 64). prefetch: when not 0, the
+// bytes from each slot to the one to ask for into L2 as the slot is read (slots in memory at a fixed stride; the
+// dense slot ops pass it, the int4 loop's dequantised tiles do not).
 constexpr int64_t PV_VECTORS = 4;
 
 struct Lanes8 {
@@ -270,13 +272,16 @@ struct Lanes16 {
 
 template <typename Lanes, int64_t R, int64_t V, typename kv_t>
 void values_block(const float* probs, const int64_t* ps, const kv_t* const* slot, float* acc, int64_t c0, int64_t n,
-                  int64_t Dv, int64_t g0, int64_t d0) {
+                  int64_t Dv, int64_t g0, int64_t d0, int64_t prefetch) {
   constexpr int64_t W = Lanes::width;
   typename Lanes::reg a[R][V];
   for (int64_t r = 0; r < R; ++r)
     for (int64_t j = 0; j < V; ++j) a[r][j] = Lanes::loadu(acc + (g0 + r) * Dv + d0 + W * j);
   for (int64_t t = 0; t < n; ++t) {
     const kv_t* v = slot[t] + d0;
+    if (prefetch)
+      for (int64_t j = 0; j < W * V * static_cast<int64_t>(sizeof(kv_t)); j += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(v) + prefetch + j, _MM_HINT_T1);
     typename Lanes::reg w[R];
     for (int64_t r = 0; r < R; ++r) w[r] = Lanes::broadcast(probs[(g0 + r) * ps[2] + (c0 + t) * ps[3]]);
     for (int64_t j = 0; j < V; ++j) {
@@ -290,34 +295,34 @@ void values_block(const float* probs, const int64_t* ps, const kv_t* const* slot
 
 template <typename Lanes, int64_t R, typename kv_t>
 void values_rows(const float* probs, const int64_t* ps, const kv_t* const* slot, float* acc, int64_t c0, int64_t n,
-                 int64_t Dv, int64_t g0) {
+                 int64_t Dv, int64_t g0, int64_t prefetch) {
   constexpr int64_t W = Lanes::width;
   int64_t d0 = 0;
   for (; d0 + W * PV_VECTORS <= Dv; d0 += W * PV_VECTORS)
-    values_block<Lanes, R, PV_VECTORS>(probs, ps, slot, acc, c0, n, Dv, g0, d0);
-  for (; d0 < Dv; d0 += W) values_block<Lanes, R, 1>(probs, ps, slot, acc, c0, n, Dv, g0, d0);
+    values_block<Lanes, R, PV_VECTORS>(probs, ps, slot, acc, c0, n, Dv, g0, d0, prefetch);
+  for (; d0 < Dv; d0 += W) values_block<Lanes, R, 1>(probs, ps, slot, acc, c0, n, Dv, g0, d0, prefetch);
 }
 
 template <typename Lanes, typename kv_t>
 void values_tile_in(const float* probs, const int64_t* ps, const kv_t* const* slot, float* acc, int64_t c0, int64_t n,
-                    int64_t Dv, int64_t G) {
+                    int64_t Dv, int64_t G, int64_t prefetch) {
   for (int64_t g0 = 0; g0 < G; g0 += Lanes::rows) {
     switch (std::min(Lanes::rows, G - g0)) {
-      case 4: values_rows<Lanes, Lanes::rows >= 4 ? 4 : 1>(probs, ps, slot, acc, c0, n, Dv, g0); break;
-      case 3: values_rows<Lanes, 3>(probs, ps, slot, acc, c0, n, Dv, g0); break;
-      case 2: values_rows<Lanes, 2>(probs, ps, slot, acc, c0, n, Dv, g0); break;
-      default: values_rows<Lanes, 1>(probs, ps, slot, acc, c0, n, Dv, g0); break;
+      case 4: values_rows<Lanes, Lanes::rows >= 4 ? 4 : 1>(probs, ps, slot, acc, c0, n, Dv, g0, prefetch); break;
+      case 3: values_rows<Lanes, 3>(probs, ps, slot, acc, c0, n, Dv, g0, prefetch); break;
+      case 2: values_rows<Lanes, 2>(probs, ps, slot, acc, c0, n, Dv, g0, prefetch); break;
+      default: values_rows<Lanes, 1>(probs, ps, slot, acc, c0, n, Dv, g0, prefetch); break;
     }
   }
 }
 
 template <typename kv_t>
 void values_tile(const float* probs, const int64_t* ps, const kv_t* const* slot, float* acc, int64_t c0, int64_t n,
-                 int64_t Dv, int64_t G) {
+                 int64_t Dv, int64_t G, int64_t prefetch = 0) {
 #if EVICTLAYERS_AVX512
-  if (Dv % 16 == 0) return values_tile_in<Lanes16>(probs, ps, slot, acc, c0, n, Dv, G);
+  if (Dv % 16 == 0) return values_tile_in<Lanes16>(probs, ps, slot, acc, c0, n, Dv, G, prefetch);
 #endif
-  values_tile_in<Lanes8>(probs, ps, slot, acc, c0, n, Dv, G);
+  values_tile_in<Lanes8>(probs, ps, slot, acc, c0, n, Dv, G, prefetch);
 }
 #endif
 
