@@ -32,8 +32,8 @@ from evictlayers.kernels.triton_common import (
     interpreting,
     masked_logits,
     next_power_of_2,
-    run_op,
     online_update,
+    run_op,
     visible_slots,
 )
 
