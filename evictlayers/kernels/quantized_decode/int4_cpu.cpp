@@ -199,10 +199,10 @@ void values_avx2(const float* probs, const int64_t* ps, const Codes<scale_t>& x,
 // slot (head dims 32, 64, 128, 256): each 16-byte load is widened to 16 32-bit lanes in one instruction, split
 // there into its two nibbles, converted and scaled. Both products dequantise in registers, where the AVX2 PV
 // writes a tile of floats to L1 and reads it back; QK's instruction stream is half the AVX2 one's. At SmolLM2's
-// shapes the two ops take 0.49-0.58x the dense slot ops' time, where the AVX2 loops took 1.03-1.11x (python -m
-// benchmarks --only cpu_kernel). They are bound by the vector units, not by memory: per slot and query row four
-// FMAs and a share of the tile's reduction, per slot the unpacking, which a CPU that splits 512-bit operations in
-// two (AMD Zen 4) runs at the 256-bit rate.
+// shapes the two ops take 0.58-0.69x the dense slot ops' time (0.49-0.58x before those asked for their slots
+// ahead), where the AVX2 loops took 1.03-1.11x (python -m benchmarks --only cpu_kernel). They are bound by the
+// vector units, not by memory: per slot and query row four FMAs and a share of the tile's reduction, per slot
+// the unpacking, which a CPU that splits 512-bit operations in two (AMD Zen 4) runs at the 256-bit rate.
 
 // the 32 values of bytes 16j .. 16j + 15 dequantised in registers: lo the low nibbles (codes-order channels
 // 16j ..), hi the high ones (P + 16j ..)

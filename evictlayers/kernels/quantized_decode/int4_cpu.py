@@ -37,7 +37,8 @@ the codes are the only cache bytes read from memory:
   registers and feeds the 32 values straight into up to 4 rows' dot products, slots in tiles of 16 whose
   partial sums ``sum16`` reduces to one vector per row (``cpu_kernels.h``, shared with the dense slot ops); PV
   keeps every row's accumulators in registers across all slots. At SmolLM2's shapes the two ops take
-  0.49-0.58x the dense slot ops' time, where the AVX2 loops took 1.03-1.11x.
+  0.58-0.69x the dense slot ops' time (0.49-0.58x before those asked for their slots ahead), where the AVX2
+  loops took 1.03-1.11x.
 - With AVX2 (groups of a multiple of 16 channels) QK dequantises 8 bytes at a time in registers the same way,
   slots in tiles of 8 reduced by a tree of ``hadd``; PV dequantises a tile of ~16 KB of slots into a scratch
   row that stays in L1, then runs the dense slot ops' register-blocked accumulation over it.
