@@ -7,7 +7,13 @@ per prompt length and batch:
   path runs (a flash kernel on a GPU); baseline of ``time_us``;
 - ``prefill_no_mass``: ``evictlayers.kernels.dispatch.prefill_attention`` with ``need_mass=False`` (what a
   policy that reads no mass at prefill runs);
-- ``prefill_mass``: the same with every key's probability mass, what H2O, AhaKV and TOVA score with.
+- ``prefill_mass``: the same with every key's probability mass, what H2O, AhaKV and TOVA score with (the
+  kernel chooses one pass or two for the shape, ``prefill/triton.py``'s ``passes_for``);
+- ``mass_two_passes``: ``attention_with_mass_triton(passes=2)``, the output first, then each key's mass from
+  the logits recomputed;
+- ``mass_one_pass``: ``attention_with_mass_triton(passes=1)``, output and mass from the same logits, with
+  ``ONE_PASS_SCRATCH`` floats of scratch (4 GiB: a program per query block up to 8k tokens, more
+  programs than an H200 has SMs at every length here).
 
 ``tflop_per_s`` counts the two causal products (``2 * 2 * B * H_q * n^2 / 2 * D``) over the time.
 """
@@ -22,12 +28,13 @@ NAME = "prefill_kernel"
 DEFAULT_REPEATS = 5
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 DTYPE = torch.bfloat16
-CONFIGS = ("sdpa", "prefill_no_mass", "prefill_mass")
+CONFIGS = ("sdpa", "prefill_no_mass", "prefill_mass", "mass_two_passes", "mass_one_pass")
+ONE_PASS_SCRATCH = 1 << 30
 
 
 def sizes(quick: bool) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
     """(prompt lengths, batch sizes, warmup, calls per block)."""
-    return ((256,), (1,), 2, 3) if quick else ((8192, 16384, 65536), (1,), 3, 10)
+    return ((256,), (1,), 2, 3) if quick else ((1024, 2048, 8192, 16384, 65536), (1,), 3, 10)
 
 
 def skip_reason(context: Context) -> str | None:
@@ -36,6 +43,7 @@ def skip_reason(context: Context) -> str | None:
 
 def cases(context: Context) -> list[Case]:
     from evictlayers.kernels.dispatch import prefill_attention
+    from evictlayers.kernels.prefill.triton import attention_with_mass_triton
 
     lengths, batches, warmup, steps = sizes(context.settings.quick)
     repeats = context.settings.repeats_for(DEFAULT_REPEATS)
@@ -53,8 +61,13 @@ def cases(context: Context) -> list[Case]:
             key_pos = torch.arange(tokens, device=device).expand(batch, KV_HEADS, tokens)
 
             def step():
-                prefill_attention(query, keys, values, query_pos, key_pos, scaling=HEAD_DIM**-0.5,
-                                  need_mass=config == "prefill_mass")
+                if config.startswith("mass_"):
+                    attention_with_mass_triton(query, keys, values, query_pos, key_pos, scaling=HEAD_DIM**-0.5,
+                                               passes=1 if config == "mass_one_pass" else 2,
+                                               max_chunk_elements=ONE_PASS_SCRATCH)
+                else:
+                    prefill_attention(query, keys, values, query_pos, key_pos, scaling=HEAD_DIM**-0.5,
+                                      need_mass=config == "prefill_mass")
 
         with torch.inference_mode():
             seconds, _ = timed_blocks(step, warmup, steps, repeats, sync=torch.cuda.synchronize)

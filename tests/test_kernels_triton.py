@@ -15,6 +15,7 @@ out during a kernel call is filled with NaN, and so is the ``lse_out`` buffer pa
 element the kernels forget to write, or a scratch value read before it is written, fails the test.
 """
 
+import functools
 import os
 import sys
 
@@ -33,6 +34,7 @@ DEVICE = torch.device("cuda" if CUDA else "cpu")
 from evictlayers.kernels import dispatch  # noqa: E402
 from evictlayers.kernels.decode.naive import decode_attention_with_mass  # noqa: E402
 from evictlayers.kernels.decode.triton import decode_attention_with_mass_triton  # noqa: E402
+from evictlayers.kernels.prefill import triton as prefill_triton  # noqa: E402
 from evictlayers.kernels.prefill.naive import attention_with_mass  # noqa: E402
 from evictlayers.kernels.prefill.triton import attention_with_mass_triton  # noqa: E402
 from evictlayers.kernels.quantized_decode.naive import quantized_decode_attention_with_mass  # noqa: E402
@@ -263,6 +265,57 @@ def test_prefill_matches_reference(dims, split, groups, dtype, reduce, with_gain
     )
     assert got.rows.shape == (2, 2, min(keep_rows, new), older + new)
     assert (got.out[1, :, :3] == 0).all()
+
+
+@pytest.mark.parametrize("dims,split,groups,dtype,reduce,with_gain,softcap,window,keep_rows,need_mass",
+                         params([case for case in PREFILL_CASES if case[-1]]))
+@pytest.mark.parametrize("programs", ["per item", "one"])
+def test_prefill_one_pass_matches_reference(dims, split, groups, dtype, reduce, with_gain, softcap, window, keep_rows,
+                                            need_mass, programs):
+    """The one-pass form (output and mass from the same logits, through a scratch) against the reference: with
+    a program per query block, and with one program that takes every block in turn over the same scratch
+    (a ``max_chunk_elements`` of one block's scratch), so that a block reading what the last one wrote fails."""
+    head_dim, v_dim = dims
+    older, new = split
+    inputs = prefill_inputs(older + new + groups, older, new, groups=groups, head_dim=head_dim, v_dim=v_dim,
+                            dtype=dtype)
+    gain = torch.rand(2, new, generator=torch.Generator().manual_seed(new)) * 2 if with_gain else None
+    block = 16 if prefill_triton.interpreting() else 64
+    budget = 1 << 24 if programs == "per item" else block * prefill_triton.cdiv(older + new, block) * block
+    n_blocks = prefill_triton.cdiv(new, block) * 2 * 2 * groups
+    assert prefill_triton.one_pass_programs(older + new, n_blocks, block, budget) == (
+        n_blocks if programs == "per item" else 1)
+    got = compare_prefill(
+        functools.partial(attention_with_mass_triton, passes=1), inputs, out_atol=OUT_ATOL[dtype], mass_atol=1e-4,
+        rtol=1e-3, device=DEVICE, reference_dtype=torch.float32 if dtype == torch.bfloat16 else None,
+        scaling=head_dim**-0.5, softcap=softcap, sliding_window=window, gqa_reduce=reduce, score_gain=gain,
+        keep_rows=keep_rows, max_chunk_elements=budget,
+    )
+    assert (got.out[1, :, :3] == 0).all()
+
+
+def test_prefill_passes_are_checked():
+    """``passes`` other than 1, 2 or None, and one pass without the mass or without room for one block's
+    scratch, are refused, naming what was wrong."""
+    query, key, value, query_pos, key_pos = to_device(tuple(prefill_inputs(40, 0, 37, groups=1, head_dim=64,
+                                                                            v_dim=64, dtype=torch.float32)))
+    call = functools.partial(attention_with_mass_triton, query, key, value, query_pos, key_pos, scaling=0.125)
+    with pytest.raises(ValueError, match="passes must be 1, 2 or None"):
+        call(passes=3)
+    with pytest.raises(ValueError, match="need_mass=False"):
+        call(passes=1, need_mass=False)
+    with pytest.raises(ValueError, match="max_chunk_elements=100"):
+        call(passes=1, max_chunk_elements=100)
+
+
+def test_prefill_passes_rule():
+    """One pass only where it was measured faster: a program for every item, and at most
+    ``ONE_PASS_MAX_SLOTS`` slots."""
+    most = prefill_triton.ONE_PASS_MAX_SLOTS
+    assert prefill_triton.passes_for(most, 288, 288) == 1
+    assert prefill_triton.passes_for(most + 1, 288, 288) == 2
+    assert prefill_triton.passes_for(most, 287, 288) == 2
+    assert prefill_triton.passes_for(16, 0, 1) == 2
 
 
 def test_dispatcher_runs_triton_when_asked(monkeypatch):

@@ -1,7 +1,7 @@
 """Triton prefill attention over KV slots that also returns each slot's probability mass.
 
-Same signature and result as ``prefill/naive.py`` (the reference). Two passes, and never an
-``[n, n]`` matrix:
+Same signature and result as ``prefill/naive.py`` (the reference). The mass in two passes, or in one, and
+never an ``[n, n]`` matrix:
 
 1. a FlashAttention forward (Dao et al. 2022, Algorithm 1: online softmax over key blocks) per query
    block and query head, writing the output and the row log-sum-exp ``LSE_i = log sum_j exp(x_ij)``
@@ -12,6 +12,14 @@ Same signature and result as ``prefill/naive.py`` (the reference). Two passes, a
    this to the accumulated score), per query head, then reduced over the GQA group; the last
    ``keep_rows`` rows are written out reduced over the group. Without the mass (``need_mass=False``)
    this pass reads only the query blocks holding a kept row, and is not launched when none is kept.
+
+One pass (``passes=1``) computes the logits once, as ``mass_cpu.py`` does on CPU: the forward keeps each
+tile's scoring probabilities ``P~ = exp(x - m(t))``, taken against the running max ``m(t)`` of its rows, in a
+scratch of ``BLOCK_M x N`` floats per program; once its rows' LSE is final it reads the scratch back and adds
+``sum_i P~_ij exp(m_i(t) - LSE_i)`` to each slot's mass. The programs are as many as ``max_chunk_elements``
+floats of scratch allow, each taking query blocks in turn. Its column sums are added atomically (several
+programs add to a slot's mass), so their order, and the last bits of the mass, can differ between calls.
+``passes_for`` picks the form measured faster for a shape.
 
 ``lse_out`` is pass 1's own LSE buffer when the caller passes one, so it costs nothing.
 
@@ -26,7 +34,7 @@ import torch
 import triton
 import triton.language as tl
 
-from evictlayers.kernels.common import AttentionMass, check_inputs
+from evictlayers.kernels.common import AttentionMass, check_inputs, reduce_group
 from evictlayers.kernels.triton_common import (
     REDUCE_CODES,
     block_size,
@@ -39,62 +47,115 @@ from evictlayers.kernels.triton_common import (
 )
 
 
+#: the most slots ``passes_for`` computes the mass of in one pass (see there)
+ONE_PASS_MAX_SLOTS = 2048
+
+
 @triton.jit
 def _forward_kernel(
     q_ptr, k_ptr, v_ptr, qpos_ptr, kpos_ptr, gain_ptr, out_ptr, lse_ptr, lse_s_ptr,
+    probs_ptr, tile_max_ptr, head_mass_ptr, head_rows_ptr,
     s_qb, s_qh, s_qm, s_kb, s_kh, s_kn, s_vb, s_vh, s_vn, s_ob, s_oh, s_om,
-    Q, N, D, DV, scaling, softcap, window,
+    Q, N, D, DV, R, items, m_blocks, scaling, softcap, window,
     HQ: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_GAIN: tl.constexpr,
-    UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    ONE_PASS: tl.constexpr, KEEP_ROWS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
-    """Pass 1, one program per (query block, b * H_q + head): output and LSE of its rows."""
-    mb = tl.program_id(0)
-    bhq = tl.program_id(1).to(tl.int64)  # int64: b * batch stride overflows int32 on large caches
-    b = bhq // HQ
-    hq = bhq % HQ
-    h = hq // G
-    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Output and LSE of query blocks, one ``(query block, b * H_q + head)`` item after another: item
+    ``pid``, ``pid + programs``, ... (two passes launch one program per item).
+
+    ``ONE_PASS``: each tile's scoring probabilities ``P~ = exp(s - m(t))`` and their row max ``m(t)`` go to
+    this program's scratch (``probs_ptr`` ``[programs, BLOCK_M, tiles * BLOCK_N]``, ``tile_max_ptr``
+    ``[programs, tiles, BLOCK_M]``); once the rows' LSE is final, the scratch is read back and each slot's
+    column sum ``sum_i P~_ij * exp(m_i(t) - LSE_i)`` added to ``head_mass_ptr`` ``[B * H_q, N]`` (atomically:
+    other programs add other query blocks of the head), the kept rows written to ``head_rows_ptr``
+    ``[B * H_q, R, N]``.
+    """
+    pid = tl.program_id(0)
+    n_tiles = tl.cdiv(N, BLOCK_N)
+    width = n_tiles * BLOCK_N  # a scratch row
+    offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    m_ok = offs_m < Q
-    q = tl.load(q_ptr + b * s_qb + hq * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
-                mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(k_ptr.dtype.element_ty)
-    q_pos = tl.load(qpos_ptr + b * Q + offs_m, mask=m_ok, other=-1)
-    if HAS_GAIN:
-        gain = tl.load(gain_ptr + b * Q + offs_m, mask=m_ok, other=0.0).to(tl.float32)
+    probs_at = probs_ptr + pid.to(tl.int64) * BLOCK_M * width + offs_r[:, None] * width
+    tile_max_at = tile_max_ptr + pid.to(tl.int64) * n_tiles * BLOCK_M + offs_r
+    for item in range(pid, items, tl.num_programs(0)):
+        mb = item % m_blocks
+        bhq = (item // m_blocks).to(tl.int64)  # int64: b * batch stride overflows int32 on large caches
+        b = bhq // HQ
+        hq = bhq % HQ
+        h = hq // G
+        offs_m = mb * BLOCK_M + offs_r
+        m_ok = offs_m < Q
+        q = tl.load(q_ptr + b * s_qb + hq * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
+                    mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(k_ptr.dtype.element_ty)
+        q_pos = tl.load(qpos_ptr + b * Q + offs_m, mask=m_ok, other=-1)
+        if HAS_GAIN:
+            gain = tl.load(gain_ptr + b * Q + offs_m, mask=m_ok, other=0.0).to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    ms_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    ls_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    for n0 in range(0, N, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < N
-        k_pos = tl.load(kpos_ptr + (b * (HQ // G) + h) * N + offs_n, mask=n_ok, other=-1)
-        seen = visible_slots(q_pos[:, None], k_pos[None, :], window, HAS_WINDOW)
-        if tl.max(seen.to(tl.int32)) > 0:
-            k = tl.load(k_ptr + b * s_kb + h * s_kh + offs_n[:, None] * s_kn + offs_d[None, :],
-                        mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-            x = masked_logits(q, k, seen, scaling, softcap, HAS_SOFTCAP, UPCAST, PRECISION)
-            m_i, alpha, p, l_i = online_update(m_i, l_i, x)
-            v = tl.load(v_ptr + b * s_vb + h * s_vh + offs_n[:, None] * s_vn + offs_dv[None, :],
-                        mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-            if UPCAST:
-                v = v.to(tl.float32)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        ms_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        ls_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        for n0 in range(0, N, BLOCK_N):
+            offs_n = n0 + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < N
+            k_pos = tl.load(kpos_ptr + (b * (HQ // G) + h) * N + offs_n, mask=n_ok, other=-1)
+            seen = visible_slots(q_pos[:, None], k_pos[None, :], window, HAS_WINDOW)
+            if tl.max(seen.to(tl.int32)) > 0:
+                k = tl.load(k_ptr + b * s_kb + h * s_kh + offs_n[:, None] * s_kn + offs_d[None, :],
+                            mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+                x = masked_logits(q, k, seen, scaling, softcap, HAS_SOFTCAP, UPCAST, PRECISION)
+                m_i, alpha, p, l_i = online_update(m_i, l_i, x)
+                v = tl.load(v_ptr + b * s_vb + h * s_vh + offs_n[:, None] * s_vn + offs_dv[None, :],
+                            mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
+                if UPCAST:
+                    v = v.to(tl.float32)
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+                if HAS_GAIN:
+                    ms_i, _, p, ls_i = online_update(ms_i, ls_i, tl.where(seen, x * gain[:, None], float("-inf")))
+                if ONE_PASS:
+                    # p was taken against the running max, read as 0 while it is -inf (its p are 0 then);
+                    # the max is kept as it is, -inf included, so that the rescale below is exp(-inf) = 0
+                    tl.store(probs_at + offs_n[None, :], p)
+                    if HAS_GAIN:
+                        tl.store(tile_max_at + (n0 // BLOCK_N) * BLOCK_M, ms_i)
+                    else:
+                        tl.store(tile_max_at + (n0 // BLOCK_N) * BLOCK_M, m_i)
+
+        # a row that saw nothing (padding) has acc = 0 and l = 0: output 0, LSE -inf
+        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        tl.store(out_ptr + b * s_ob + hq * s_oh + offs_m[:, None] * s_om + offs_dv[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < DV))
+        tl.store(lse_ptr + bhq * Q + offs_m, m_i + tl.log(l_i), mask=m_ok)
+        if ONE_PASS:
+            score_sum = l_i
+            score_lse = m_i + tl.log(l_i)
             if HAS_GAIN:
-                ms_i, _, _, ls_i = online_update(ms_i, ls_i, tl.where(seen, x * gain[:, None], float("-inf")))
-
-    # a row that saw nothing (padding) has acc = 0 and l = 0: output 0, LSE -inf
-    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-    tl.store(out_ptr + b * s_ob + hq * s_oh + offs_m[:, None] * s_om + offs_dv[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=m_ok[:, None] & (offs_dv[None, :] < DV))
-    tl.store(lse_ptr + bhq * Q + offs_m, m_i + tl.log(l_i), mask=m_ok)
-    if HAS_GAIN:
-        tl.store(lse_s_ptr + bhq * Q + offs_m, ms_i + tl.log(ls_i), mask=m_ok)
+                score_sum = ls_i
+                score_lse = ms_i + tl.log(ls_i)
+            # the scratch was written by the threads that held each logit; it is read by others
+            tl.debug_barrier()
+            for n0 in range(0, N, BLOCK_N):
+                offs_n = n0 + tl.arange(0, BLOCK_N)
+                n_ok = offs_n < N
+                k_pos = tl.load(kpos_ptr + (b * (HQ // G) + h) * N + offs_n, mask=n_ok, other=-1)
+                seen = visible_slots(q_pos[:, None], k_pos[None, :], window, HAS_WINDOW)
+                if tl.max(seen.to(tl.int32)) > 0:  # the tiles the loop above wrote
+                    tile_max = tl.load(tile_max_at + (n0 // BLOCK_N) * BLOCK_M)
+                    rescale = tl.where(score_sum > 0, tl.exp(tile_max - score_lse), 0.0)
+                    p = tl.load(probs_at + offs_n[None, :]) * rescale[:, None]
+                    tl.atomic_add(head_mass_ptr + bhq * N + offs_n, tl.sum(p, 0), mask=n_ok)
+                    if KEEP_ROWS:
+                        kept = offs_m - (Q - R)
+                        tl.store(head_rows_ptr + (bhq * R + kept[:, None]) * N + offs_n[None, :], p,
+                                 mask=(kept[:, None] >= 0) & m_ok[:, None] & n_ok[None, :])
+            # the next item overwrites the scratch these threads may still be reading
+            tl.debug_barrier()
+        elif HAS_GAIN:
+            tl.store(lse_s_ptr + bhq * Q + offs_m, ms_i + tl.log(ls_i), mask=m_ok)
 
 
 @triton.jit
@@ -184,51 +245,81 @@ def attention_with_mass_triton(
     max_chunk_elements: int = 1 << 24,
     lse_out: torch.Tensor | None = None,
     need_mass: bool = True,
+    passes: int | None = None,
 ) -> AttentionMass:
     """Triton twin of ``prefill/naive.py``'s ``attention_with_mass``; see it for the arguments.
 
     Shapes: query ``[B, H_q, Q, D]``, key ``[B, H_kv, N, D]``, value ``[B, H_kv, N, D_v]``, query_pos
     ``[B, Q]``, key_pos ``[B, H_kv, N]``, score_gain ``[B, Q]``, lse_out ``[B, H_q, Q]``. Returns out
-    ``[B, H_q, Q, D_v]``, mass ``[B, H_kv, N]`` and rows ``[B, H_kv, R, N]``. Extra memory is
-    ``O(B * H_q * Q)`` (the LSEs): only block tiles are held, so ``max_chunk_elements`` (a bound on
-    the logits held at once) is always met.
+    ``[B, H_q, Q, D_v]``, mass ``[B, H_kv, N]`` and rows ``[B, H_kv, R, N]``.
+
+    ``passes``: how the mass is computed, 1 or 2 (the module docstring), or ``None`` for ``passes_for``'s
+    choice. Two passes hold only block tiles (extra memory ``O(B * H_q * Q)``, the LSEs); one pass holds
+    ``programs x BLOCK_M x N`` floats of scratch, ``programs`` chosen to stay within ``max_chunk_elements``
+    (a bound on the logits held at once), and is refused when not even one program fits.
     """
     groups = check_inputs(query, key, value, query_pos, key_pos, gqa_reduce=gqa_reduce, score_gain=score_gain,
                           lse_out=lse_out, keep_rows=keep_rows, max_chunk_elements=max_chunk_elements)
+    if passes not in (None, 1, 2):
+        raise ValueError(f"passes must be 1, 2 or None (the faster for the shape), got {passes!r}")
     batch, q_heads, q_len, head_dim = query.shape
     _, kv_heads, n_slots, _ = key.shape
     v_dim = value.shape[-1]
     n_rows = min(keep_rows, q_len)
+    device = query.device
+    block = 16 if interpreting() else 64
+    m_blocks = cdiv(q_len, block)
+    items = m_blocks * batch * q_heads
+    programs = one_pass_programs(n_slots, items, block, max_chunk_elements) if need_mass else 0
+    if passes is None:
+        passes = passes_for(n_slots, programs, items)
+    elif passes == 1 and not programs:
+        raise ValueError(
+            "passes=1 needs the mass (need_mass=True) and a scratch of BLOCK_M x N floats within "
+            f"max_chunk_elements: got need_mass={need_mass}, N={n_slots}, BLOCK_M={block}, "
+            f"max_chunk_elements={max_chunk_elements}; use passes=2 or None"
+        )
+    one_pass = passes == 1
     scores = need_mass or n_rows > 0
-    gained = score_gain is not None and scores  # the gained LSE is read by pass 2 only
+    gained = score_gain is not None and scores  # the gained LSE is read by the scoring only
     # the kernels index the last dim with stride 1 and the position tensors densely
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     query_pos, key_pos = query_pos.contiguous(), key_pos.contiguous()
     gain = score_gain.contiguous() if gained else query_pos  # never read without a gain
-    device = query.device
-    block = 16 if interpreting() else 64
     upcast, precision = dot_options(key.dtype)
 
     f32 = dict(dtype=torch.float32, device=device)
     out = torch.empty(batch, q_heads, q_len, v_dim, dtype=query.dtype, device=device)
     lse = lse_out if lse_out is not None and lse_out.is_contiguous() else torch.empty(batch, q_heads, q_len, **f32)
-    score_lse = torch.empty(batch, q_heads, q_len, **f32) if gained else lse
-    mass = (torch.empty if need_mass else torch.zeros)(batch, kv_heads, n_slots, **f32)
-    rows = torch.empty(batch, kv_heads, n_rows, n_slots, **f32)
+    score_lse = torch.empty(batch, q_heads, q_len, **f32) if gained and not one_pass else lse
     shared = dict(G=groups, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_size(head_dim),
                   HAS_SOFTCAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
-                  HAS_GAIN=gained, UPCAST=upcast, PRECISION=precision)
+                  HAS_GAIN=gained, KEEP_ROWS=n_rows > 0, UPCAST=upcast, PRECISION=precision)
     common = (scaling, softcap or 1.0, sliding_window or 0)
+    if one_pass:
+        width = cdiv(n_slots, block) * block
+        scratch = (torch.empty(programs, block, width, **f32), torch.empty(programs, width // block, block, **f32))
+        head_mass = torch.zeros(batch, q_heads, n_slots, **f32)
+        head_rows = torch.zeros(batch, q_heads, n_rows, n_slots, **f32)
+    else:
+        programs = items
+        scratch, head_mass, head_rows = (out, out), out, out  # never read: the pointers fill the signature
 
-    _forward_kernel[(cdiv(q_len, block), batch * q_heads)](
-        query, key, value, query_pos, key_pos, gain, out, lse, score_lse,
+    _forward_kernel[(programs,)](
+        query, key, value, query_pos, key_pos, gain, out, lse, score_lse, *scratch, head_mass, head_rows,
         query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
         value.stride(0), value.stride(1), value.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        q_len, n_slots, head_dim, v_dim, *common,
-        HQ=q_heads, BLOCK_DV=block_size(v_dim), **shared,
+        q_len, n_slots, head_dim, v_dim, n_rows, items, m_blocks, *common,
+        HQ=q_heads, BLOCK_DV=block_size(v_dim), ONE_PASS=one_pass, **shared,
     )
     if lse_out is not None and lse is not lse_out:
         lse_out.copy_(lse)
+    if one_pass:
+        mass = reduce_group(head_mass.view(batch, kv_heads, groups, n_slots), gqa_reduce)
+        rows = reduce_group(head_rows.view(batch, kv_heads, groups, n_rows, n_slots), gqa_reduce)
+        return AttentionMass(out, mass, rows)
+    mass = (torch.empty if need_mass else torch.zeros)(batch, kv_heads, n_slots, **f32)
+    rows = torch.empty(batch, kv_heads, n_rows, n_slots, **f32)
     if scores:
         # without the mass, pass 2 starts at the query block holding the first kept row
         first_m = 0 if need_mass else (q_len - n_rows) // block * block
@@ -236,7 +327,27 @@ def attention_with_mass_triton(
             query, key, query_pos, key_pos, gain, score_lse, mass, rows,
             query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
             q_len, n_slots, head_dim, n_rows, first_m, *common,
-            HKV=kv_heads, BLOCK_G=block_size(groups, lo=1), KEEP_ROWS=n_rows > 0, NEED_MASS=need_mass,
+            HKV=kv_heads, BLOCK_G=block_size(groups, lo=1), NEED_MASS=need_mass,
             REDUCE=REDUCE_CODES[gqa_reduce], **shared,
         )
     return AttentionMass(out, mass, rows)
+
+
+def one_pass_programs(n_slots: int, items: int, block: int, max_chunk_elements: int) -> int:
+    """How many programs the one-pass kernel runs: one per item (query block of a head), but no more than
+    ``max_chunk_elements`` floats of scratch allow (``block x N`` each, ``N`` rounded up to whole tiles);
+    0 when not even one fits."""
+    return min(items, max_chunk_elements // (block * cdiv(n_slots, block) * block))
+
+
+def passes_for(n_slots: int, programs: int, items: int) -> int:
+    """1 or 2: the faster way to compute the mass over ``n_slots`` slots for a call whose one-pass kernel
+    may run ``programs`` programs (0: it cannot) over ``items`` items.
+
+    One pass when every item gets a program and the slots are at most ``ONE_PASS_MAX_SLOTS``. In the
+    ``prefill_kernel`` benchmark on an H200 (bfloat16, SmolLM2's 9 query / 3 KV heads, a whole causal prompt;
+    docs/benchmarks.md) one pass with a program per item took 0.69x, 0.85x and 1.25x two passes' time at 1k,
+    2k and 8k slots; with fewer programs than items, 1.41x at 16k (1,024 programs for 2,304 items) and 1.67x
+    at 64k (256 for 9,216): writing and reading the scratch costs more than recomputing the logits once it
+    is large, and a program that takes several items in turn does their work one after another."""
+    return 1 if programs == items and n_slots <= ONE_PASS_MAX_SLOTS else 2
