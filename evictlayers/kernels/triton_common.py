@@ -42,8 +42,8 @@ def run_op(op, launch, *args):
 
     Called directly with ``wrap_triton`` on, each ``wrap_triton(kernel)[grid](...)`` goes through the
     higher-order op's dispatch (torch's ``set_wrap_triton_enabled`` puts its cost at ~1 ms): on an H200, eager
-    dense decode calls that launched that way took 385-790 us at 4k-32k slots, where an earlier run through the
-    op took 134-215 us."""
+    dense decode calls that launched that way took 385-790 us at 4k-32k slots, and 129-189 us launched here
+    (docs/benchmarks.md, "The Triton kernels on a GPU")."""
     if torch.compiler.is_compiling():
         return op(*args)
     with set_wrap_triton_enabled(False):
