@@ -294,6 +294,41 @@ def test_prefill_one_pass_matches_reference(dims, split, groups, dtype, reduce, 
     assert (got.out[1, :, :3] == 0).all()
 
 
+IN_ORDER_CASES = [
+    # as PREFILL_CASES
+    ((64, 64), (0, 37), 3, torch.float32, "sum", False, None, None, 5, True),
+    ((80, 48), (23, 18), 2, torch.float32, "mean", True, None, 9, 18, True),
+    ((80, 80), (0, 33), 2, torch.float16, "max", True, 5.0, 9, 0, True),
+    ((64, 64), (40, 90), 3, torch.bfloat16, "sum", True, None, 30, 4, True),
+    ((128, 128), (0, 70), 4, torch.bfloat16, "max", False, None, None, 1, True),
+]
+
+
+@pytest.mark.parametrize("dims,split,groups,dtype,reduce,with_gain,softcap,window,keep_rows,need_mass",
+                         params(IN_ORDER_CASES))
+@pytest.mark.parametrize("passes", [1, 2])
+def test_prefill_in_order_matches_reference(dims, split, groups, dtype, reduce, with_gain, softcap, window, keep_rows,
+                                            need_mass, passes, monkeypatch):
+    """Slots in position order (a whole prompt, or a chunk after in-order slots, each row from its own first
+    position), where the kernels find the tiles a block sees from the indices alone (at any size here)."""
+    monkeypatch.setattr(prefill_triton, "IN_ORDER_MIN_SLOTS", 0)
+    head_dim, v_dim = dims
+    older, new = split
+    query, key, value, _, _ = prefill_inputs(older + new + groups, older, new, groups=groups, head_dim=head_dim,
+                                             v_dim=v_dim, dtype=dtype)
+    first = torch.tensor([0, 5])  # each row's first position
+    key_pos = (first[:, None] + torch.arange(older + new)).repeat_interleave(2, dim=0).view(2, 2, -1)
+    query_pos = key_pos[:, 0, older:].contiguous()
+    assert prefill_triton.in_order(query_pos, key_pos)
+    gain = torch.rand(2, new, generator=torch.Generator().manual_seed(new)) * 2 if with_gain else None
+    compare_prefill(
+        functools.partial(attention_with_mass_triton, passes=passes), (query, key, value, query_pos, key_pos),
+        out_atol=OUT_ATOL[dtype], mass_atol=1e-4, rtol=1e-3, device=DEVICE,
+        reference_dtype=torch.float32 if dtype == torch.bfloat16 else None, scaling=head_dim**-0.5, softcap=softcap,
+        sliding_window=window, gqa_reduce=reduce, score_gain=gain, keep_rows=keep_rows, need_mass=need_mass,
+    )
+
+
 def test_prefill_passes_are_checked():
     """``passes`` other than 1, 2 or None, and one pass without the mass or without room for one block's
     scratch, are refused, naming what was wrong."""

@@ -1,4 +1,5 @@
-"""What every attention backend shares: the result types, the GQA reduction, the input checks.
+"""What every attention backend shares: the result types, the GQA reduction, the input checks, the test for
+slots in position order.
 
 Both ops attend over unordered KV slots addressed by original position and also report the
 probability mass each slot received. Every backend of an op (``prefill/``, ``decode/``) takes the same
@@ -184,3 +185,18 @@ def check_packed_inputs(
             )
     check_devices(query, **{name: getattr(packed, name) for name in expected}, key_pos=key_pos)
     return groups
+
+
+def in_order(query_pos: torch.Tensor, key_pos: torch.Tensor) -> bool:
+    """Whether every row's slots hold consecutive positions from a non-negative first one, the same at every
+    head, and its ``Q`` queries are the last ``Q`` of them: then query ``i`` sees exactly slots ``0 ..
+    i + N - Q`` (before any window), which the prefill kernels (``prefill/mass_cpu.py``, ``prefill/triton.py``)
+    read from the indices alone. ``query_pos`` ``[B, Q]``, ``key_pos`` ``[B, H_kv, N]``."""
+    q_len, n_slots = query_pos.shape[1], key_pos.shape[2]
+    if q_len > n_slots:
+        return False
+    start = key_pos[:, :1, :1]
+    expected = start + torch.arange(n_slots, device=key_pos.device)
+    # one host sync for the three tests: on a GPU each costs more than a short prompt's attention
+    queries_last = (query_pos == expected[:, 0, n_slots - q_len :]).all()
+    return bool((start >= 0).all() & (key_pos == expected).all() & queries_last)

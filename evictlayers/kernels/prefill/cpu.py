@@ -37,7 +37,7 @@ import bisect
 
 import torch
 
-from evictlayers.kernels.common import AttentionMass, check_inputs, reduce_group
+from evictlayers.kernels.common import AttentionMass, check_inputs, in_order, reduce_group
 from evictlayers.kernels.prefill import mass_cpu
 
 _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -255,7 +255,7 @@ def _plain_causal(query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window
     ``is_causal`` mask (top-left aligned). A whole prompt on an empty cache is such a call."""
     q_len, n_slots = query_pos.shape[1], key_pos.shape[2]
     return (n_slots == q_len and (sliding_window is None or sliding_window >= q_len)
-            and mass_cpu.in_order(query_pos, key_pos))
+            and in_order(query_pos, key_pos))
 
 
 def _last_dim_dense(rows: torch.Tensor) -> torch.Tensor:

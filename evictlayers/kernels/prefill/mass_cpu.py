@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from evictlayers.kernels.common import in_order
 from evictlayers.kernels.cpu_extension import build
 
 SOURCE = Path(__file__).with_name("mass_cpu.cpp")
@@ -52,20 +53,6 @@ def extension():
     cannot be built."""
     return build("evictlayers_prefill_mass_cpu", SOURCE, "CPU prefill-with-mass kernel",
                  "prefill with attention mass on CPU runs the PyTorch blocks instead (same results, slower)")
-
-
-def in_order(query_pos: torch.Tensor, key_pos: torch.Tensor) -> bool:
-    """Whether every row's slots hold consecutive positions from a non-negative first one, the same at every
-    head, and its ``Q`` queries are the last ``Q`` of them: then query ``i`` sees exactly slots ``0 ..
-    i + N - Q`` (before any window), the kernel's mask. ``query_pos`` ``[B, Q]``, ``key_pos`` ``[B, H_kv,
-    N]``."""
-    q_len, n_slots = query_pos.shape[1], key_pos.shape[2]
-    if q_len > n_slots:
-        return False
-    start = key_pos[:, :1, :1]
-    expected = start + torch.arange(n_slots, device=key_pos.device)
-    return bool((start >= 0).all() and (key_pos == expected).all()
-                and (query_pos == expected[:, 0, n_slots - q_len :]).all())
 
 
 def block_rows(n_slots: int, max_chunk_elements: int) -> int:

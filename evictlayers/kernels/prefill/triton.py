@@ -25,7 +25,12 @@ programs add to a slot's mass), so their order, and the last bits of the mass, c
 
 Slots are unordered and addressed by position, so visibility is tested per (query, slot) pair; a block
 pair in which no query sees any slot (the upper triangle of an ordered prompt, empty blocks, outside
-the sliding window) is skipped, which halves the work of a causal prompt.
+the sliding window) is skipped, which halves the work of a causal prompt. That test is a branch in every
+tile's loop, which keeps Triton from pipelining the loop's loads. When the slots hold consecutive
+positions and the queries are the last of them (``in_order``: a whole prompt on an empty cache, or a chunk
+after in-order slots; tested from ``IN_ORDER_MIN_SLOTS`` slots on), the tiles a block sees are a range
+found from its indices, and the loops have no branch: on an H200 that took the attention at 8k-64k tokens
+to 0.41-0.52x its time without the mass, 0.44-0.60x with it (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from evictlayers.kernels.common import AttentionMass, check_inputs, reduce_group
+from evictlayers.kernels.common import AttentionMass, check_inputs, in_order, reduce_group
 from evictlayers.kernels.triton_common import (
     REDUCE_CODES,
     block_size,
@@ -49,6 +54,67 @@ from evictlayers.kernels.triton_common import (
 
 #: the most slots ``passes_for`` computes the mass of in one pass (see there)
 ONE_PASS_MAX_SLOTS = 2048
+#: the fewest slots for which a call tests whether they are in order (``in_order``) to run the kernels' in-order
+#: loops. The test costs the host about 0.1 ms on a GPU (ten small kernels and a sync): on an H200 the attention
+#: without the mass took 207-215 us at 1k-2k slots with it, 93-136 us without it, while at 8k the in-order loops
+#: took it from 1,281 to 664 us (docs/benchmarks.md)
+IN_ORDER_MIN_SLOTS = 4096
+
+
+@triton.jit
+def _in_order_visible(offs_m, offs_n, m_ok, n_ok, shift, window, HAS_WINDOW: tl.constexpr):
+    """``visible_slots`` for in-order slots: query ``i`` sees slot ``j`` iff ``j <= i + shift`` (``shift = N -
+    Q``) and, with a window, ``i + shift - j < window``; ``[M, N]`` from the row and slot indices alone."""
+    seen = (offs_n[None, :] <= offs_m[:, None] + shift) & m_ok[:, None] & n_ok[None, :]
+    if HAS_WINDOW:
+        seen = seen & (offs_m[:, None] + shift - offs_n[None, :] < window)
+    return seen
+
+
+@triton.jit
+def _forward_tile(
+    q, k_at, v_at, n0, offs_n, n_ok, offs_d, offs_dv, D, DV, s_kn, s_vn, seen, gain, m_i, l_i, ms_i, ls_i, acc,
+    probs_at, tile_max_at, scaling, softcap,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HAS_SOFTCAP: tl.constexpr, HAS_GAIN: tl.constexpr,
+    ONE_PASS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One tile of slots for a block of query rows: the online softmax's update of ``m_i, l_i`` (and the
+    gained ``ms_i, ls_i``) and ``acc``; with ``ONE_PASS`` the tile's scoring probabilities and row max to the
+    scratch. ``k_at``/``v_at``: the head's key/value rows' base pointers."""
+    k = tl.load(k_at + offs_n[:, None] * s_kn + offs_d[None, :], mask=n_ok[:, None] & (offs_d[None, :] < D),
+                other=0.0)
+    x = masked_logits(q, k, seen, scaling, softcap, HAS_SOFTCAP, UPCAST, PRECISION)
+    m_i, alpha, p, l_i = online_update(m_i, l_i, x)
+    v = tl.load(v_at + offs_n[:, None] * s_vn + offs_dv[None, :], mask=n_ok[:, None] & (offs_dv[None, :] < DV),
+                other=0.0)
+    if UPCAST:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    if HAS_GAIN:
+        ms_i, _, p, ls_i = online_update(ms_i, ls_i, tl.where(seen, x * gain[:, None], float("-inf")))
+    if ONE_PASS:
+        # p was taken against the running max, read as 0 while it is -inf (its p are 0 then); the max is
+        # kept as it is, -inf included, so that the rescale of the read-back is exp(-inf) = 0
+        tl.store(probs_at + offs_n[None, :], p)
+        if HAS_GAIN:
+            tl.store(tile_max_at + (n0 // BLOCK_N) * BLOCK_M, ms_i)
+        else:
+            tl.store(tile_max_at + (n0 // BLOCK_N) * BLOCK_M, m_i)
+    return m_i, l_i, ms_i, ls_i, acc
+
+
+@triton.jit
+def _scratch_tile(probs_at, tile_max_at, n0, offs_n, n_ok, offs_m, m_ok, head_mass_at, head_rows_at, Q, N, R,
+                  score_sum, score_lse, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEEP_ROWS: tl.constexpr):
+    """One pass's read-back of one tile: its probabilities rescaled by ``exp(m(t) - LSE)``, their column sums
+    added to the head's mass, the kept rows written."""
+    rescale = tl.where(score_sum > 0, tl.exp(tl.load(tile_max_at + (n0 // BLOCK_N) * BLOCK_M) - score_lse), 0.0)
+    p = tl.load(probs_at + offs_n[None, :]) * rescale[:, None]
+    tl.atomic_add(head_mass_at + offs_n, tl.sum(p, 0), mask=n_ok)
+    if KEEP_ROWS:
+        kept = offs_m - (Q - R)
+        tl.store(head_rows_at + kept[:, None] * N + offs_n[None, :], p,
+                 mask=(kept[:, None] >= 0) & m_ok[:, None] & n_ok[None, :])
 
 
 @triton.jit
@@ -59,11 +125,16 @@ def _forward_kernel(
     Q, N, D, DV, R, items, m_blocks, scaling, softcap, window,
     HQ: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_GAIN: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_GAIN: tl.constexpr, IN_ORDER: tl.constexpr,
     ONE_PASS: tl.constexpr, KEEP_ROWS: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     """Output and LSE of query blocks, one ``(query block, b * H_q + head)`` item after another: item
     ``pid``, ``pid + programs``, ... (two passes launch one program per item).
+
+    ``IN_ORDER`` (``in_order``: slot ``j`` holds the ``j``-th of consecutive positions, the queries the last
+    ``Q``): the tiles a block sees are a range found from its rows' indices, and visibility is compared by
+    index; the loop then has no branch, so its loads can be pipelined. Otherwise every tile's slot positions
+    are read and a tile no row sees is skipped.
 
     ``ONE_PASS``: each tile's scoring probabilities ``P~ = exp(s - m(t))`` and their row max ``m(t)`` go to
     this program's scratch (``probs_ptr`` ``[programs, BLOCK_M, tiles * BLOCK_N]``, ``tile_max_ptr``
@@ -75,6 +146,7 @@ def _forward_kernel(
     pid = tl.program_id(0)
     n_tiles = tl.cdiv(N, BLOCK_N)
     width = n_tiles * BLOCK_N  # a scratch row
+    shift = N - Q
     offs_r = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -91,39 +163,42 @@ def _forward_kernel(
         q = tl.load(q_ptr + b * s_qb + hq * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
                     mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(k_ptr.dtype.element_ty)
         q_pos = tl.load(qpos_ptr + b * Q + offs_m, mask=m_ok, other=-1)
+        gain = 0.0
         if HAS_GAIN:
             gain = tl.load(gain_ptr + b * Q + offs_m, mask=m_ok, other=0.0).to(tl.float32)
+        k_at = k_ptr + b * s_kb + h * s_kh
+        v_at = v_ptr + b * s_vb + h * s_vh
+        pos_at = kpos_ptr + (b * (HQ // G) + h) * N
+        # in order: the tiles from the first row's first visible slot to the last row's last
+        first_tile = 0
+        end = N
+        if IN_ORDER:
+            end = tl.minimum(N, tl.minimum(Q, mb * BLOCK_M + BLOCK_M) + shift)
+            if HAS_WINDOW:
+                first_tile = tl.maximum(mb * BLOCK_M + shift - window + 1, 0) // BLOCK_N * BLOCK_N
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         ms_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         ls_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-        for n0 in range(0, N, BLOCK_N):
+        for n0 in range(first_tile, end, BLOCK_N):
             offs_n = n0 + tl.arange(0, BLOCK_N)
             n_ok = offs_n < N
-            k_pos = tl.load(kpos_ptr + (b * (HQ // G) + h) * N + offs_n, mask=n_ok, other=-1)
-            seen = visible_slots(q_pos[:, None], k_pos[None, :], window, HAS_WINDOW)
-            if tl.max(seen.to(tl.int32)) > 0:
-                k = tl.load(k_ptr + b * s_kb + h * s_kh + offs_n[:, None] * s_kn + offs_d[None, :],
-                            mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
-                x = masked_logits(q, k, seen, scaling, softcap, HAS_SOFTCAP, UPCAST, PRECISION)
-                m_i, alpha, p, l_i = online_update(m_i, l_i, x)
-                v = tl.load(v_ptr + b * s_vb + h * s_vh + offs_n[:, None] * s_vn + offs_dv[None, :],
-                            mask=n_ok[:, None] & (offs_dv[None, :] < DV), other=0.0)
-                if UPCAST:
-                    v = v.to(tl.float32)
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-                if HAS_GAIN:
-                    ms_i, _, p, ls_i = online_update(ms_i, ls_i, tl.where(seen, x * gain[:, None], float("-inf")))
-                if ONE_PASS:
-                    # p was taken against the running max, read as 0 while it is -inf (its p are 0 then);
-                    # the max is kept as it is, -inf included, so that the rescale below is exp(-inf) = 0
-                    tl.store(probs_at + offs_n[None, :], p)
-                    if HAS_GAIN:
-                        tl.store(tile_max_at + (n0 // BLOCK_N) * BLOCK_M, ms_i)
-                    else:
-                        tl.store(tile_max_at + (n0 // BLOCK_N) * BLOCK_M, m_i)
+            if IN_ORDER:
+                seen = _in_order_visible(offs_m, offs_n, m_ok, n_ok, shift, window, HAS_WINDOW)
+                m_i, l_i, ms_i, ls_i, acc = _forward_tile(
+                    q, k_at, v_at, n0, offs_n, n_ok, offs_d, offs_dv, D, DV, s_kn, s_vn, seen, gain, m_i, l_i, ms_i,
+                    ls_i, acc, probs_at, tile_max_at, scaling, softcap, BLOCK_M, BLOCK_N, HAS_SOFTCAP, HAS_GAIN,
+                    ONE_PASS, UPCAST, PRECISION)
+            else:
+                k_pos = tl.load(pos_at + offs_n, mask=n_ok, other=-1)
+                seen = visible_slots(q_pos[:, None], k_pos[None, :], window, HAS_WINDOW)
+                if tl.max(seen.to(tl.int32)) > 0:
+                    m_i, l_i, ms_i, ls_i, acc = _forward_tile(
+                        q, k_at, v_at, n0, offs_n, n_ok, offs_d, offs_dv, D, DV, s_kn, s_vn, seen, gain, m_i, l_i,
+                        ms_i, ls_i, acc, probs_at, tile_max_at, scaling, softcap, BLOCK_M, BLOCK_N, HAS_SOFTCAP,
+                        HAS_GAIN, ONE_PASS, UPCAST, PRECISION)
 
         # a row that saw nothing (padding) has acc = 0 and l = 0: output 0, LSE -inf
         out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -138,24 +213,52 @@ def _forward_kernel(
                 score_lse = ms_i + tl.log(ls_i)
             # the scratch was written by the threads that held each logit; it is read by others
             tl.debug_barrier()
-            for n0 in range(0, N, BLOCK_N):
+            head_mass_at = head_mass_ptr + bhq * N
+            head_rows_at = head_rows_ptr + bhq * R * N
+            for n0 in range(first_tile, end, BLOCK_N):  # the tiles the loop above wrote
                 offs_n = n0 + tl.arange(0, BLOCK_N)
                 n_ok = offs_n < N
-                k_pos = tl.load(kpos_ptr + (b * (HQ // G) + h) * N + offs_n, mask=n_ok, other=-1)
-                seen = visible_slots(q_pos[:, None], k_pos[None, :], window, HAS_WINDOW)
-                if tl.max(seen.to(tl.int32)) > 0:  # the tiles the loop above wrote
-                    tile_max = tl.load(tile_max_at + (n0 // BLOCK_N) * BLOCK_M)
-                    rescale = tl.where(score_sum > 0, tl.exp(tile_max - score_lse), 0.0)
-                    p = tl.load(probs_at + offs_n[None, :]) * rescale[:, None]
-                    tl.atomic_add(head_mass_ptr + bhq * N + offs_n, tl.sum(p, 0), mask=n_ok)
-                    if KEEP_ROWS:
-                        kept = offs_m - (Q - R)
-                        tl.store(head_rows_ptr + (bhq * R + kept[:, None]) * N + offs_n[None, :], p,
-                                 mask=(kept[:, None] >= 0) & m_ok[:, None] & n_ok[None, :])
+                if IN_ORDER:
+                    _scratch_tile(probs_at, tile_max_at, n0, offs_n, n_ok, offs_m, m_ok, head_mass_at, head_rows_at,
+                                  Q, N, R, score_sum, score_lse, BLOCK_M, BLOCK_N, KEEP_ROWS)
+                else:
+                    k_pos = tl.load(pos_at + offs_n, mask=n_ok, other=-1)
+                    seen = visible_slots(q_pos[:, None], k_pos[None, :], window, HAS_WINDOW)
+                    if tl.max(seen.to(tl.int32)) > 0:
+                        _scratch_tile(probs_at, tile_max_at, n0, offs_n, n_ok, offs_m, m_ok, head_mass_at,
+                                      head_rows_at, Q, N, R, score_sum, score_lse, BLOCK_M, BLOCK_N, KEEP_ROWS)
             # the next item overwrites the scratch these threads may still be reading
             tl.debug_barrier()
         elif HAS_GAIN:
             tl.store(lse_s_ptr + bhq * Q + offs_m, ms_i + tl.log(ls_i), mask=m_ok)
+
+
+@triton.jit
+def _mass_rows(q_ptr, k, lse_ptr, offs_m, m_ok, offs_d, offs_g, seen, gain, head_sums, grouped, b, h, s_qb, s_qh,
+               s_qm, Q, D, scaling, softcap,
+               HKV: tl.constexpr, G: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               HAS_SOFTCAP: tl.constexpr, HAS_GAIN: tl.constexpr, KEEP_ROWS: tl.constexpr,
+               NEED_MASS: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr):
+    """Pass 2 for one block of query rows against the program's slots, every head of the group: the
+    heads' column sums added to ``head_sums`` ``[BLOCK_G, BLOCK_N]``, the rows reduced over the group into
+    ``grouped`` ``[BLOCK_M, BLOCK_N]``."""
+    for g in range(G):
+        hq = h * G + g
+        q = tl.load(q_ptr + b * s_qb + hq * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
+                    mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(k.dtype)
+        x = masked_logits(q, k, seen, scaling, softcap, HAS_SOFTCAP, UPCAST, PRECISION)
+        if HAS_GAIN:
+            x = x * gain[:, None]
+        lse = tl.load(lse_ptr + (b * HKV * G + hq) * Q + offs_m, mask=m_ok, other=0.0)
+        p = tl.where(seen, tl.exp(x - lse[:, None]), 0.0)
+        if NEED_MASS:
+            head_sums = tl.where(offs_g[:, None] == g, head_sums + tl.sum(p, 0)[None, :], head_sums)
+        if KEEP_ROWS:
+            if REDUCE == 2:
+                grouped = tl.maximum(grouped, p)
+            else:
+                grouped = grouped + p
+    return head_sums, grouped
 
 
 @triton.jit
@@ -165,11 +268,14 @@ def _mass_kernel(
     Q, N, D, R, first_m, scaling, softcap, window,
     HKV: tl.constexpr, G: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_GAIN: tl.constexpr, KEEP_ROWS: tl.constexpr,
-    NEED_MASS: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_GAIN: tl.constexpr, IN_ORDER: tl.constexpr,
+    KEEP_ROWS: tl.constexpr, NEED_MASS: tl.constexpr, REDUCE: tl.constexpr, UPCAST: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
     """Pass 2, one program per (slot block, b * H_kv + h): column sums of the scoring probabilities
-    (``NEED_MASS``) and the kept rows, over the query blocks from ``first_m`` on.
+    (``NEED_MASS``) and the kept rows, over the query blocks from ``first_m`` on (``IN_ORDER``: from the first
+    block that sees the program's slots to the last, with no branch in the loop). ``rows_ptr`` is zero where no
+    row of a block sees the slots.
 
     ``lse_ptr`` holds the LSE of the scoring softmax (the model's own, or the gained one).
     """
@@ -177,6 +283,7 @@ def _mass_kernel(
     bh = tl.program_id(1).to(tl.int64)  # int64: b * batch stride overflows int32 on large caches
     b = bh // HKV
     h = bh % HKV
+    shift = N - Q
     offs_n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_g = tl.arange(0, BLOCK_G)
@@ -186,31 +293,35 @@ def _mass_kernel(
                 mask=n_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     # per-head column sums: "max" reduces the heads' totals over all queries, not row by row
     head_sums = tl.zeros([BLOCK_G, BLOCK_N], tl.float32)
-    for m0 in range(first_m, Q, BLOCK_M):
+    start = first_m
+    end = Q
+    if IN_ORDER:
+        # the rows that see a slot of this block: from the first whose causal range reaches it to the last
+        # whose window still holds it
+        start = tl.maximum(first_m, (nb * BLOCK_N - shift) // BLOCK_M * BLOCK_M)
+        if HAS_WINDOW:
+            end = tl.minimum(Q, nb * BLOCK_N + BLOCK_N - 1 + window - shift)
+    for m0 in range(start, end, BLOCK_M):
         offs_m = m0 + tl.arange(0, BLOCK_M)
         m_ok = offs_m < Q
-        q_pos = tl.load(qpos_ptr + b * Q + offs_m, mask=m_ok, other=-1)
-        seen = visible_slots(q_pos[:, None], k_pos[None, :], window, HAS_WINDOW)
+        gain = 0.0
         if HAS_GAIN:
             gain = tl.load(gain_ptr + b * Q + offs_m, mask=m_ok, other=0.0).to(tl.float32)
         grouped = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # these rows' probabilities reduced over the group
-        if tl.max(seen.to(tl.int32)) > 0:
-            for g in range(G):
-                hq = h * G + g
-                q = tl.load(q_ptr + b * s_qb + hq * s_qh + offs_m[:, None] * s_qm + offs_d[None, :],
-                            mask=m_ok[:, None] & (offs_d[None, :] < D), other=0.0).to(k_ptr.dtype.element_ty)
-                x = masked_logits(q, k, seen, scaling, softcap, HAS_SOFTCAP, UPCAST, PRECISION)
-                if HAS_GAIN:
-                    x = x * gain[:, None]
-                lse = tl.load(lse_ptr + (b * HKV * G + hq) * Q + offs_m, mask=m_ok, other=0.0)
-                p = tl.where(seen, tl.exp(x - lse[:, None]), 0.0)
-                if NEED_MASS:
-                    head_sums = tl.where(offs_g[:, None] == g, head_sums + tl.sum(p, 0)[None, :], head_sums)
-                if KEEP_ROWS:
-                    if REDUCE == 2:
-                        grouped = tl.maximum(grouped, p)
-                    else:
-                        grouped = grouped + p
+        if IN_ORDER:
+            seen = _in_order_visible(offs_m, offs_n, m_ok, n_ok, shift, window, HAS_WINDOW)
+            head_sums, grouped = _mass_rows(
+                q_ptr, k, lse_ptr, offs_m, m_ok, offs_d, offs_g, seen, gain, head_sums, grouped, b, h, s_qb, s_qh,
+                s_qm, Q, D, scaling, softcap, HKV, G, BLOCK_M, BLOCK_N, HAS_SOFTCAP, HAS_GAIN, KEEP_ROWS, NEED_MASS,
+                REDUCE, UPCAST, PRECISION)
+        else:
+            q_pos = tl.load(qpos_ptr + b * Q + offs_m, mask=m_ok, other=-1)
+            seen = visible_slots(q_pos[:, None], k_pos[None, :], window, HAS_WINDOW)
+            if tl.max(seen.to(tl.int32)) > 0:
+                head_sums, grouped = _mass_rows(
+                    q_ptr, k, lse_ptr, offs_m, m_ok, offs_d, offs_g, seen, gain, head_sums, grouped, b, h, s_qb,
+                    s_qh, s_qm, Q, D, scaling, softcap, HKV, G, BLOCK_M, BLOCK_N, HAS_SOFTCAP, HAS_GAIN, KEEP_ROWS,
+                    NEED_MASS, REDUCE, UPCAST, PRECISION)
         if KEEP_ROWS:
             if m0 + BLOCK_M > Q - R:
                 if REDUCE == 1:
@@ -287,6 +398,7 @@ def attention_with_mass_triton(
     query_pos, key_pos = query_pos.contiguous(), key_pos.contiguous()
     gain = score_gain.contiguous() if gained else query_pos  # never read without a gain
     upcast, precision = dot_options(key.dtype)
+    ordered = n_slots >= IN_ORDER_MIN_SLOTS and in_order(query_pos, key_pos)
 
     f32 = dict(dtype=torch.float32, device=device)
     out = torch.empty(batch, q_heads, q_len, v_dim, dtype=query.dtype, device=device)
@@ -294,7 +406,7 @@ def attention_with_mass_triton(
     score_lse = torch.empty(batch, q_heads, q_len, **f32) if gained and not one_pass else lse
     shared = dict(G=groups, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_size(head_dim),
                   HAS_SOFTCAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
-                  HAS_GAIN=gained, KEEP_ROWS=n_rows > 0, UPCAST=upcast, PRECISION=precision)
+                  HAS_GAIN=gained, IN_ORDER=ordered, KEEP_ROWS=n_rows > 0, UPCAST=upcast, PRECISION=precision)
     common = (scaling, softcap or 1.0, sliding_window or 0)
     if one_pass:
         width = cdiv(n_slots, block) * block
@@ -319,7 +431,7 @@ def attention_with_mass_triton(
         rows = reduce_group(head_rows.view(batch, kv_heads, groups, n_rows, n_slots), gqa_reduce)
         return AttentionMass(out, mass, rows)
     mass = (torch.empty if need_mass else torch.zeros)(batch, kv_heads, n_slots, **f32)
-    rows = torch.empty(batch, kv_heads, n_rows, n_slots, **f32)
+    rows = torch.zeros(batch, kv_heads, n_rows, n_slots, **f32)  # pass 2 may skip the blocks that see no slot
     if scores:
         # without the mass, pass 2 starts at the query block holding the first kept row
         first_m = 0 if need_mass else (q_len - n_rows) // block * block
@@ -346,8 +458,8 @@ def passes_for(n_slots: int, programs: int, items: int) -> int:
 
     One pass when every item gets a program and the slots are at most ``ONE_PASS_MAX_SLOTS``. In the
     ``prefill_kernel`` benchmark on an H200 (bfloat16, SmolLM2's 9 query / 3 KV heads, a whole causal prompt;
-    docs/benchmarks.md) one pass with a program per item took 0.69x, 0.85x and 1.25x two passes' time at 1k,
-    2k and 8k slots; with fewer programs than items, 1.41x at 16k (1,024 programs for 2,304 items) and 1.67x
+    docs/benchmarks.md) one pass with a program per item took 0.69x, 0.85x and 1.22x two passes' time at 1k,
+    2k and 8k slots; with fewer programs than items, 1.47x at 16k (1,024 programs for 2,304 items) and 1.86x
     at 64k (256 for 9,216): writing and reading the scratch costs more than recomputing the logits once it
     is large, and a program that takes several items in turn does their work one after another."""
     return 1 if programs == items and n_slots <= ONE_PASS_MAX_SLOTS else 2
