@@ -1,9 +1,10 @@
 """``cpu_linear``: a decode step's weight products on CPU, ``evictlayers::few_rows_linear`` against ``F.linear``.
 
 One call multiplies every weight of a model of SmolLM2-135M's shapes (30 layers of query, key, value, output,
-gate, up and down projections, then the 49,152 x 576 output head; random float32 weights, as a step reads them,
+gate, up and down projections, then the 49,152 x 576 output head; random weights, as a step reads them,
 one after another, each from memory: together they are larger than the CPU's caches) by ``rows`` input rows,
-the one token per sequence of a decode step at batch ``rows``.
+the one token per sequence of a decode step at batch ``rows``, in float32 and, as the ``-bf16`` configurations,
+in bfloat16 (a model loaded in bfloat16; skipped, with the reason, where the op has no bfloat16 loops).
 
 - ``read``: a sum over every weight, the bytes each product reads, at the rate this thread reads memory
   (baseline of ``gb_per_s``);
@@ -18,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from benchmarks.common import Case, Context, kernel_row, timed_blocks
+from benchmarks.common import Case, Context, kernel_row, skipped, timed_blocks
 
 NAME = "cpu_linear"
 DEFAULT_REPEATS = 7
-CONFIGS = ("read", "blas", "few-rows")
+CONFIGS = ("read", "blas", "few-rows", "read-bf16", "blas-bf16", "few-rows-bf16")
 HIDDEN, INTERMEDIATE, KV_WIDTH, VOCAB, LAYERS = 576, 1536, 192, 49152, 30
 
 
@@ -44,28 +45,34 @@ def skip_reason(context: Context) -> str | None:
 
 
 def cases(context: Context) -> list[Case]:
-    from evictlayers.kernels.linear_cpu import few_rows_linear
+    from evictlayers.kernels.linear_cpu import few_rows_linear, served_dtypes
 
     shapes, row_counts, passes = sizes(context.settings.quick)
     repeats = context.settings.repeats_for(DEFAULT_REPEATS)
-    weights: list[torch.Tensor] = []  # built by the first case, shared by the rest
+    weights: dict[torch.dtype, list[torch.Tensor]] = {}  # per dtype, built by its first case, shared by the rest
 
     def measure(config: str, rows: int) -> dict:
-        if not weights:
+        kind, bf16 = config.removesuffix("-bf16"), config.endswith("-bf16")
+        dtype, suffix = (torch.bfloat16, "-bf16") if bf16 else (torch.float32, "")
+        if dtype not in served_dtypes():
+            return skipped(config, {"rows": rows}, "the op has no bfloat16 loops here (no AVX512-BF16)")
+        if dtype not in weights:
             generator = torch.Generator().manual_seed(0)
-            weights.extend(torch.randn(shape, generator=generator) / shape[1] ** 0.5 for shape in shapes)
-        inputs = {width: torch.randn(rows, width) for width in {w.shape[1] for w in weights}}
+            weights[dtype] = [(torch.randn(shape, generator=generator) / shape[1] ** 0.5).to(dtype)
+                              for shape in shapes]
+        inputs = {width: torch.randn(rows, width).to(dtype) for width in {w.shape[1] for w in weights[dtype]}}
         call = {"read": lambda x, w: w.sum(), "blas": torch.nn.functional.linear,
-                "few-rows": lambda x, w: few_rows_linear(x, w, None)}[config]
+                "few-rows": lambda x, w: few_rows_linear(x, w, None)}[kind]
 
         def one_pass():
-            for w in weights:
+            for w in weights[dtype]:
                 call(inputs[w.shape[1]], w)
 
         with torch.inference_mode():
             seconds, _ = timed_blocks(one_pass, 1, passes, repeats)
-        moved = sum(w.nbytes for w in weights)
-        return kernel_row(config, {"rows": rows}, seconds, moved, "blas", "read", {"bytes_read": moved})
+        moved = sum(w.nbytes for w in weights[dtype])
+        return kernel_row(config, {"rows": rows}, seconds, moved, "blas" + suffix, "read" + suffix,
+                          {"bytes_read": moved})
 
     return [Case(NAME, config, {"rows": rows}, 2.0, lambda c=config, r=rows: measure(c, r))
             for rows in row_counts for config in CONFIGS]

@@ -270,3 +270,30 @@ def test_the_graph_computes_every_weight_product_with_the_few_rows_op_and_reads_
         assert torch.nn.functional.linear not in targets and torch._C._nn.linear not in targets
     torch.testing.assert_close(torch.stack(changed.logits), torch.stack(eager_changed.logits), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(torch.stack(before.logits), torch.stack(changed.logits))
+
+
+@pytest.mark.skipif(torch.bfloat16 not in linear_cpu.served_dtypes(), reason="the machine has no AVX512-BF16")
+def test_a_bfloat16_model_computes_its_weight_products_with_the_few_rows_op(monkeypatch):
+    """A model loaded in bfloat16: the graph sends every weight product to the op's bfloat16 loops, and the first
+    step's logits are the eager model's (BLAS's bfloat16 products) to bfloat16's precision; later steps follow
+    each run's own argmax."""
+    model, policy = build("llama").to(torch.bfloat16), POLICIES["h2o"]()
+    graphs = []
+    compile = torch.compile
+
+    def recording(graph, example_inputs):
+        graphs.append([node.target for node in graph.graph.nodes if node.op == "call_function"])
+        return graph.forward
+
+    monkeypatch.setattr(torch, "compile", lambda function, **options: compile(function, backend=recording,
+                                                                               fullgraph=True))
+    torch._dynamo.reset()
+    ids, mask = left_padded([30, 24])
+    with torch.no_grad():
+        with el.apply(model, policy, compile=True):
+            compiled = greedy(model, ids, mask, 3)
+        with el.apply(model, policy):
+            eager = greedy(model, ids, mask, 3)
+    linears = sum(isinstance(module, torch.nn.Linear) for module in model.modules())
+    assert graphs and all(targets.count(linear_cpu.few_rows_linear) == linears for targets in graphs)
+    torch.testing.assert_close(compiled.logits[0].float(), eager.logits[0].float(), rtol=2e-2, atol=2e-2)

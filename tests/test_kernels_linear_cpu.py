@@ -1,5 +1,6 @@
 """The decode's weight products on CPU (``kernels/linear_cpu.cpp``): ``few_rows_linear`` against float64
-``F.linear``, and ``few_rows_forward``, the linear layers' forward that sends few-row calls to it.
+``F.linear`` (in float32, and in bfloat16 where the machine has AVX512-BF16), and ``few_rows_forward``, the linear
+layers' forward that sends few-row calls to it.
 
 Odd shapes: 1-9 input rows (every row block the kernel has, then a second block of 8), weight rows around its
 tiles (16 / rows weight rows a tile, two at 8 rows, the remainder one at a time), widths around its 16-float
@@ -49,12 +50,36 @@ def test_the_op_matches_a_float64_linear(shape, with_bias, threads):
     torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-4)
 
 
+BFLOAT16 = torch.bfloat16 in linear_cpu.served_dtypes()
+
+
+@pytest.mark.skipif(not BFLOAT16, reason="the machine has no AVX512-BF16")
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("shape", SHAPES + [(8, 5, 31), (2, 3, 32), (1, 2, 65)],
+                         ids=[f"m{m}-n{n}-k{k}" for m, n, k in SHAPES + [(8, 5, 31), (2, 3, 32), (1, 2, 65)]])
+def test_the_bfloat16_op_matches_a_float64_linear(shape, with_bias):
+    """bfloat16 in, bfloat16 out: the float64 product of the same bfloat16 values, rounded once (widths around
+    the 32-channel vectors too)."""
+    rows, outputs, width = shape
+    generator = torch.Generator().manual_seed(sum(shape))
+    x = nan_framed(torch.randn(rows, 1, width, generator=generator)).bfloat16()
+    weight = nan_framed(torch.randn(outputs, width, generator=generator)).bfloat16()
+    bias = torch.randn(outputs, generator=generator).bfloat16() if with_bias else None
+    out = few_rows_linear(x, weight, bias)
+    reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    assert out.shape == (rows, 1, outputs) and out.dtype == torch.bfloat16
+    # one rounding to bfloat16 (8 bits): within one unit in the last place of the exact product
+    torch.testing.assert_close(out.double(), reference, rtol=2**-8, atol=1e-3)
+
+
 def test_the_op_refuses_what_it_cannot_compute():
-    with pytest.raises(RuntimeError, match="expected float32 input and weight"):
-        few_rows_linear(torch.randn(2, 8, dtype=torch.bfloat16), torch.randn(3, 8, dtype=torch.bfloat16), None)
+    with pytest.raises(RuntimeError, match="expected float32 or bfloat16 input and weight of the same dtype"):
+        few_rows_linear(torch.randn(2, 8, dtype=torch.float16), torch.randn(3, 8, dtype=torch.float16), None)
+    with pytest.raises(RuntimeError, match="expected float32 or bfloat16 input and weight of the same dtype"):
+        few_rows_linear(torch.randn(2, 8), torch.randn(3, 8, dtype=torch.bfloat16), None)
     with pytest.raises(RuntimeError, match=r"input \[\.\.\., 8\] does not match weight \[3, 9\]"):
         few_rows_linear(torch.randn(2, 8), torch.randn(3, 9), None)
-    with pytest.raises(RuntimeError, match="a float32 bias of 3 elements"):
+    with pytest.raises(RuntimeError, match="a Float bias of 3 elements"):
         few_rows_linear(torch.randn(2, 8), torch.randn(3, 8), torch.randn(4))
 
 
@@ -80,8 +105,13 @@ def test_the_forward_runs_the_op_for_few_rows_and_blas_otherwise():
         assert few_rows_linear not in graph_targets(forward, many)  # past MAX_ROWS: BLAS's product
         torch.testing.assert_close(forward(few), F.linear(few, layer.weight, layer.bias))
         torch.testing.assert_close(forward(many), F.linear(many, layer.weight, layer.bias))
+        # bfloat16 layers go to the op where it has bfloat16 loops; float16 ones never do
         half = torch.nn.Linear(24, 10).to(torch.bfloat16)
-        assert few_rows_linear not in graph_targets(few_rows_forward(half), few.to(torch.bfloat16))
+        assert (few_rows_linear in graph_targets(few_rows_forward(half), few.to(torch.bfloat16))) == BFLOAT16
+        torch.testing.assert_close(few_rows_forward(half)(few.to(torch.bfloat16)),
+                                   F.linear(few.to(torch.bfloat16), half.weight, half.bias), rtol=2**-7, atol=1e-2)
+        float16 = torch.nn.Linear(24, 10).to(torch.float16)
+        assert few_rows_linear not in graph_targets(few_rows_forward(float16), few.to(torch.float16))
 
 
 def test_the_forward_leaves_gradients_to_blas():

@@ -1,22 +1,25 @@
 """A decode step's weight products on CPU: ``evictlayers::few_rows_linear`` (C++, ``linear_cpu.cpp``) and the
 linear layers' forward that sends a step's products to it.
 
-- ``few_rows_linear(input [..., K] f32, weight [N, K] f32, bias [N] f32 | None) -> [..., N] f32``: what
-  ``torch.nn.functional.linear`` computes (its reference), for an input of a few rows.
+- ``few_rows_linear(input [..., K], weight [N, K], bias [N] | None) -> [..., N]``, all float32 or all bfloat16:
+  what ``torch.nn.functional.linear`` computes (its reference), for an input of a few rows, accumulated in float32
+  (bfloat16: each product exact, the sum rounded once to bfloat16, as BLAS does).
 
 Why. A decode step multiplies every weight of the model by one row per sequence: a matrix of a few rows, a
 shape BLAS runs far below its rate. The kernel reads each weight row once per block of up to 8 input rows, in place:
 nothing is packed, so a weight changed between steps is read as it is, unlike ``compile="max-autotune"``,
 whose graph holds the weights it froze. On a 2-core AMD EPYC (AVX-512, one thread), SmolLM2-135M's weight
-products, read from memory as a step reads them, take 0.46x, 0.40x and 0.45x BLAS's time at 1, 4 and 8 rows
-(docs/benchmarks.md, "The decode's weight products", has the command).
+products, read from memory as a step reads them, take 0.53x, 0.38x and 0.51x BLAS's time at 1, 4 and 8 rows
+(docs/benchmarks.md, "The decode's weight products", has the command); in bfloat16 (AVX512-BF16's ``vdpbf16ps``,
+32 channels a vector) 0.44x, 0.42x and 0.41x BLAS's bfloat16 time, and at 8 rows 0.47x the float32 op's time.
 
 ``evictlayers.apply(model, policy, compile=True)`` gives each ``torch.nn.Linear`` of a CPU model
 (the class itself, not a subclass such as a quantised layer's) the forward ``few_rows_forward`` for as long as the
-patch is active: a call whose input has at most ``MAX_ROWS`` rows, float32 tensors and no gradient to record
-(``serves``) runs the op, and every other call (a prompt's prefill) ``F.linear`` as before. The compiled decode
-forward traces the op into its graph. The op is built by ``kernels/cpu_extension.py`` on first use; where it
-cannot be built, or the machine has no AVX-512 (``available``), no forward is replaced.
+patch is active: a call whose input has at most ``MAX_ROWS`` rows, tensors of one dtype the op has loops for
+(``served_dtypes``: float32, and bfloat16 where the machine has AVX512-BF16) and no gradient to record (``serves``)
+runs the op, and every other call (a prompt's prefill) ``F.linear`` as before. The compiled decode forward traces
+the op into its graph. The op is built by ``kernels/cpu_extension.py`` on first use; where it cannot be built, or
+the machine has no AVX-512 (``available``), no forward is replaced.
 """
 
 from __future__ import annotations
@@ -57,14 +60,25 @@ def available() -> bool:
     return module is not None and module.vectorised()
 
 
-def serves(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether ``F.linear(input, weight, bias)`` goes to the op: float32 CPU tensors, a 2-D weight, at most
-    ``MAX_ROWS`` input rows, no gradient to record (the op has no backward; a model's parameters require one,
-    so this means autograd is off, as it is while generating)."""
+def served_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes the op has vector loops for here: float32 with AVX-512 (``available``), bfloat16 with
+    AVX512-BF16 too; none where it cannot be built."""
+    module = extension()
+    if module is None or not module.vectorised():
+        return ()
+    return (torch.float32, torch.bfloat16) if module.bfloat16() else (torch.float32,)
+
+
+def serves(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    """Whether ``F.linear(input, weight, bias)`` goes to the op: CPU tensors of one of ``dtypes`` (those of
+    ``served_dtypes``), a 2-D weight, at most ``MAX_ROWS`` input rows, no gradient to record (the op has no
+    backward; a model's parameters require one, so this means autograd is off, as it is while generating)."""
     tensors = (input, weight) if bias is None else (input, weight, bias)
     recording = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     return (
-        not recording and all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
+        not recording and input.dtype in dtypes
+        and all(t.device.type == "cpu" and t.dtype == input.dtype for t in tensors)
         and weight.dim() == 2 and input.dim() >= 1 and input.shape[-1] == weight.shape[1]
         and input.numel() <= MAX_ROWS * weight.shape[1]
     )
@@ -73,9 +87,10 @@ def serves(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None)
 def few_rows_forward(module: torch.nn.Linear):
     """A forward for ``module`` that computes ``few_rows_linear`` where ``serves`` accepts the call and
     ``F.linear`` otherwise: ``evictlayers.apply(compile=True)`` sets it as the instance's ``forward``."""
+    dtypes = served_dtypes()  # read here, once: the forward runs inside the compiled graph
 
     def forward(input: torch.Tensor) -> torch.Tensor:
-        if serves(input, module.weight, module.bias):
+        if serves(input, module.weight, module.bias, dtypes):
             return few_rows_linear(input, module.weight, module.bias)
         return torch.nn.functional.linear(input, module.weight, module.bias)
 
