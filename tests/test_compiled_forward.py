@@ -235,12 +235,10 @@ def test_an_unknown_compile_mode_is_refused_with_the_allowed_ones(compile):
         el.apply(build("llama"), POLICIES["h2o"](), compile=compile)
 
 
-@pytest.mark.skipif(not linear_cpu.available(), reason="the AVX-512 linear kernel is not built here")
-def test_the_graph_computes_every_weight_product_with_the_few_rows_op_and_reads_the_weights_in_place(monkeypatch):
-    # compile=True does not freeze the weights: few_rows_linear reads each where it stands, so a weight changed
-    # between steps is read as changed, in the same graph
-    model, policy = build("llama"), POLICIES["h2o"]()
-    graphs = []  # each traced graph's call targets
+def recorded_graphs(monkeypatch) -> list[list]:
+    """From here on (dynamo reset), each graph ``torch.compile`` traces runs as traced, and its call targets are
+    appended to the returned list."""
+    graphs = []
     compile = torch.compile
 
     def recording(graph, example_inputs):
@@ -250,6 +248,15 @@ def test_the_graph_computes_every_weight_product_with_the_few_rows_op_and_reads_
     monkeypatch.setattr(torch, "compile", lambda function, **options: compile(function, backend=recording,
                                                                                fullgraph=True))
     torch._dynamo.reset()
+    return graphs
+
+
+@pytest.mark.skipif(not linear_cpu.available(), reason="the AVX-512 linear kernel is not built here")
+def test_the_graph_computes_every_weight_product_with_the_few_rows_op_and_reads_the_weights_in_place(monkeypatch):
+    # compile=True does not freeze the weights: few_rows_linear reads each where it stands, so a weight changed
+    # between steps is read as changed, in the same graph
+    model, policy = build("llama"), POLICIES["h2o"]()
+    graphs = recorded_graphs(monkeypatch)
     counters.clear()
     weight = model.model.layers[1].mlp.up_proj.weight
     original = weight.detach().clone()
@@ -278,16 +285,7 @@ def test_a_bfloat16_model_computes_its_weight_products_with_the_few_rows_op(monk
     step's logits are the eager model's (BLAS's bfloat16 products) to bfloat16's precision; later steps follow
     each run's own argmax."""
     model, policy = build("llama").to(torch.bfloat16), POLICIES["h2o"]()
-    graphs = []
-    compile = torch.compile
-
-    def recording(graph, example_inputs):
-        graphs.append([node.target for node in graph.graph.nodes if node.op == "call_function"])
-        return graph.forward
-
-    monkeypatch.setattr(torch, "compile", lambda function, **options: compile(function, backend=recording,
-                                                                               fullgraph=True))
-    torch._dynamo.reset()
+    graphs = recorded_graphs(monkeypatch)
     ids, mask = left_padded([30, 24])
     with torch.no_grad():
         with el.apply(model, policy, compile=True):
