@@ -156,20 +156,20 @@ at::Tensor few_rows_linear(const at::Tensor& input, const at::Tensor& weight, co
   TORCH_CHECK(!bias || (bias->scalar_type() == dtype && bias->numel() == weight.size(0)),
               "few_rows_linear: expected a ", dtype, " bias of ", weight.size(0), " elements");
 #if EVICTLAYERS_AVX512
-  const int64_t K = weight.size(1), N = weight.size(0);
-  const at::Tensor x = input.reshape({-1, K}).contiguous(), w = weight.contiguous();
-  const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
-  auto sizes = input.sizes().vec();
-  sizes.back() = N;
-  at::Tensor out = at::empty(sizes, input.options());
-  if (dtype == at::kFloat) {
-    run<Float32>(x, w, b, out);
+  // a dtype without loops here (bfloat16 without AVX512-BF16) goes to at::linear before anything is copied
+  if (dtype == at::kFloat || EVICTLAYERS_AVX512_BF16) {
+    const int64_t K = weight.size(1), N = weight.size(0);
+    const at::Tensor x = input.reshape({-1, K}).contiguous(), w = weight.contiguous();
+    const at::Tensor b = bias ? bias->contiguous() : at::Tensor();
+    auto sizes = input.sizes().vec();
+    sizes.back() = N;
+    at::Tensor out = at::empty(sizes, input.options());
+    if (dtype == at::kFloat) run<Float32>(x, w, b, out);
+#if EVICTLAYERS_AVX512_BF16
+    else run<BFloat16>(x, w, b, out);
+#endif
     return out;
   }
-#if EVICTLAYERS_AVX512_BF16
-  run<BFloat16>(x, w, b, out);
-  return out;
-#endif
 #endif
   return at::linear(input, weight, bias);
 }
