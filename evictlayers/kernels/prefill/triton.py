@@ -431,7 +431,8 @@ def attention_with_mass_triton(
         rows = reduce_group(head_rows.view(batch, kv_heads, groups, n_rows, n_slots), gqa_reduce)
         return AttentionMass(out, mass, rows)
     mass = (torch.empty if need_mass else torch.zeros)(batch, kv_heads, n_slots, **f32)
-    rows = torch.zeros(batch, kv_heads, n_rows, n_slots, **f32)  # pass 2 may skip the blocks that see no slot
+    # in order, pass 2 skips the query blocks that see none of a program's slots: their kept rows stay 0
+    rows = (torch.zeros if ordered else torch.empty)(batch, kv_heads, n_rows, n_slots, **f32)
     if scores:
         # without the mass, pass 2 starts at the query block holding the first kept row
         first_m = 0 if need_mass else (q_len - n_rows) // block * block
