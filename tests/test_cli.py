@@ -67,8 +67,7 @@ def _error(capsys, argv) -> str:
          "--haystack does not apply to --task lines (it applies to: passkey)"),
         (["eval", "h2o", "--task", "passkey", "--compile", "fast", "--out", "x"],
          "argument --compile: invalid choice: 'fast' (choose from 'max-autotune')"),
-        (["claims", "--only", "retrieval,stream", "--render-only"],
-         "unknown experiment(s) ['retrieval']; the experiments are stream, passkey, lines, retrieval_filler"),
+        (["claims"], "argument {eval,generate}: invalid choice: 'claims' (choose from 'eval', 'generate')"),
     ],
 )
 def test_bad_input_is_a_clear_error(capsys, argv, expected):
@@ -153,45 +152,6 @@ def test_eval_full_cache_perplexity_matches_unmodified_model(checkpoint, books, 
     assert result["runs"][0]["perplexity"] == pytest.approx(teacher_forced_perplexity(model, docs), rel=1e-5)
 
 
-def test_needles_dump_matches_what_a_recent_window_keeps(checkpoint, tmp_path, capsys):
-    """``local`` at 50% keeps the last half of each prompt: a head holds exactly the key tokens there."""
-    from evictlayers.eval.needles import key_token_indices
-
-    out = tmp_path / "needles"
-    main(["needles", "full", "local", "--budget", "0.5", "--haystack", "filler", "--length", "300", "--depths", "3",
-          "--model", str(checkpoint), "--out", str(out)])
-    printed = capsys.readouterr().out
-    payload = json.loads((out / "needles.json").read_text())
-    assert payload["summary"]["full"]["whole"] == 1.0
-    tokenizer = char_tokenizer()
-    from evictlayers.eval.suite import PasskeyTask
-
-    rows = PasskeyTask(tokenizer, lengths=[300], depths=3).build_rows()
-    whole = []
-    for row, record in zip(rows, payload["records"]["local"], strict=True):
-        n = record["prompt_tokens"]
-        kept_from = n - (n + 1) // 2  # budget round_half_up(0.5 n) of the most recent tokens
-        key = key_token_indices(tokenizer, row["text"], row["answer"])
-        expected = sum(i >= kept_from for i in key)
-        assert all(count == expected for layer in record["held"] for count in layer), (record, expected)
-        whole.append(expected == len(key))
-    depths = [r["depth"] for r in payload["records"]["local"]]
-    assert depths == [0.0, 0.5, 1.0]
-    # printed: the heading from the arguments, a summary row per recipe (the full cache holds every key
-    # token in every head; local holds the whole key where it lies in the last half), the files written
-    lines = printed.splitlines()
-    assert lines[0] == "# Per-head needle dump (filler haystack, 3 prompts of ~300 tokens, budget 0.5)"
-    summary = {row[0]: row for row in _table_rows(printed)[2:]}
-    assert list(summary) == ["full", "local"]
-    assert summary["full"][2:5] == ["100%", "0%", "0%"]
-    whole_share = sum(whole) / len(whole)
-    assert summary["local"][2] == f"{100 * whole_share:.0f}%"
-    for name in ("full", "local"):
-        assert re.fullmatch(r"\d/3", summary[name][1]), summary[name]
-    assert lines[-1] == f"wrote {out / 'needles.json'}, {out / 'needles.md'}"
-    assert _table_rows((out / "needles.md").read_text())[: len(summary) + 2] == _table_rows(printed)[: len(summary) + 2]
-
-
 PROMPT = "The pass key is 12345. " * 10
 NEW_TOKENS = 5
 
@@ -265,7 +225,7 @@ def test_generate_under_eviction_prints_the_budget_it_keeps(checkpoint, capsys):
 @pytest.mark.parametrize("module", ["evictlayers.cli", "evictlayers"])
 def test_console_script_is_installed(module):
     done = subprocess.run([sys.executable, "-m", module, "--help"], capture_output=True, text=True)
-    assert done.returncode == 0 and "{eval,generate,claims,needles,transfer}" in done.stdout
+    assert done.returncode == 0 and "{eval,generate}" in done.stdout
 
 
 @pytest.mark.slow

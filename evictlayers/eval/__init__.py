@@ -1,9 +1,10 @@
-"""Evaluation: tasks, metrics, Lightning eval loops, reports and the papers' claims.
+"""Evaluation of a recipe on your own model: tasks (passkey, lines, perplexity, agreement, RULER), metrics,
+the Lightning eval loops, the tuning / held-out splits, and the reports (JSON, markdown tables, plots).
 
 Importing this package must not import lightning or datasets; the loops that need them
-(:mod:`evictlayers.eval.module`, :mod:`evictlayers.eval.runner`, :mod:`evictlayers.eval.claims`)
-import them when used. Entry points: ``evictlayers eval`` / ``generate`` / ``claims``
-(:mod:`evictlayers.cli`), or :func:`evictlayers.eval.runner.evaluate` from Python.
+(:mod:`evictlayers.eval.module`, :mod:`evictlayers.eval.runner`) import them when used. Entry points:
+``evictlayers eval`` / ``generate`` (:mod:`evictlayers.cli`), or :func:`evictlayers.eval.runner.evaluate`
+from Python.
 """
 
 from evictlayers.eval.tasks import (

@@ -1,7 +1,7 @@
 """Results on disk: JSON, a markdown table, and plots (score vs budget per policy, as H2O Fig. 4;
 retained-position histograms, as AhaKV Fig. 2(c); for RULER, score vs compression ratio,
 :mod:`evictlayers.eval.ruler_report`). Plots need matplotlib (``pip install
-evictlayers[eval]``); without it they are skipped with a message, the rest is written.
+evictlayers[eval]``); without it the plot functions return ``None`` and the rest is written.
 """
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
+
+from evictlayers.eval import ruler_report
+from evictlayers.eval.report_common import budget_text, pyplot
 
 __all__ = [
     "format_score",
@@ -28,22 +31,12 @@ def format_score(value: float, score_name: str) -> str:
     return f"{value:.3f}"
 
 
-def budget_text(run: dict) -> str:
-    """A run's budget as a table cell: ``full``, ``20%`` or ``512 tok``."""
-    if run["full_cache"] or run["budget"] is None:
-        return "full"
-    budget = run["budget"]
-    return f"{budget:.0%}" if isinstance(budget, float) else f"{budget} tok"
-
-
 def markdown_table(result: dict) -> str:
     """One row per policy x budget: score, task extras, memory kept, throughput (RULER: one column per
     task, :func:`evictlayers.eval.ruler_report.markdown_table`)."""
     task, score_name = result["task"], result["score_name"]
     if task == "ruler":
-        from evictlayers.eval.ruler_report import markdown_table as ruler_table
-
-        return ruler_table(result)
+        return ruler_report.markdown_table(result)
     extra: list[tuple[str, str]] = []
     if task == "agreement":
         extra = [("KL (nats)", "kl"), ("perplexity", "perplexity")]
@@ -72,24 +65,13 @@ def markdown_table(result: dict) -> str:
     return "\n".join(lines)
 
 
-def _pyplot():
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return None
-    return plt
-
-
 def plot_score_vs_budget(result: dict, path: str | Path, title: str | None = None) -> Path | None:
     """Score against KV budget, one line per policy, the full cache as a dashed line (H2O Fig. 4).
 
     The x axis is the nominal budget when every budget is a fraction, else the measured fraction of
     KV slots kept. Returns the path, or ``None`` when matplotlib is missing.
     """
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     runs = result["runs"]
@@ -128,7 +110,7 @@ def plot_positions(
 ) -> Path | None:
     """Share of retained KV slots per relative-position bin, one line per policy, at ``budget``
     (default: the first budget of the run). Returns the path, or ``None`` without matplotlib."""
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     runs = [r for r in result["runs"] if policies is None or r["policy"] in policies]
@@ -185,9 +167,7 @@ def write_results(result: dict, out_dir: str | Path) -> dict[str, Path]:
         f"{table}\n\n{note}"
     )
     if task == "ruler":
-        from evictlayers.eval.ruler_report import plot_ruler
-
-        score = plot_ruler([result], out / "ruler_score_vs_compression.png")
+        score = ruler_report.plot_ruler([result], out / "ruler_score_vs_compression.png")
     else:
         score = plot_score_vs_budget(result, out / f"{task}_score_vs_budget.png")
     if score is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from evictlayers.eval.report import budget_text
+from evictlayers.eval.report_common import budget_text, pyplot
 from evictlayers.eval.tasks.ruler import GROUPS, TASKS
 
 __all__ = ["compression_ratio", "markdown_table", "plot_ruler", "score_of"]
@@ -57,9 +57,7 @@ def plot_ruler(results: Sequence[dict], path: str | Path, title: str | None = No
     one column for the average and one per RULER task group present; one line per recipe (solid, filled
     circles: query-aware; dashed, open squares: query-agnostic), the full cache as a black horizontal line. Returns the path,
     or ``None`` when matplotlib is missing."""
-    from evictlayers.eval.report import _pyplot
-
-    plt = _pyplot()
+    plt = pyplot()
     if plt is None:
         return None
     present = {t for r in results for t in r["settings"]["tasks"]}

@@ -366,10 +366,11 @@ class PerplexityTask(EvalTask):
 
     @staticmethod
     def stream_policy(policy: el.Policy, tokens: int) -> el.Policy:
-        """``policy`` with a ``float`` budget turned into ``round(budget * tokens)`` tokens per head."""
+        """``policy`` with a ``float`` budget turned into ``round(budget * tokens)`` tokens per head, lifted to the
+        policy's ``min_budget`` as a prompt's fraction would be."""
         if not isinstance(policy.budget, float):
             return policy
-        return policy.replace(budget=max(1, math.floor(policy.budget * tokens + 0.5)))
+        return policy.replace(budget=max(policy.min_budget, math.floor(policy.budget * tokens + 0.5)))
 
     def prepare(self, model, batch: dict):
         if not self.agreement:

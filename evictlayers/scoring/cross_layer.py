@@ -13,7 +13,7 @@ class CrossLayer(ScoreAccumulator):
     multi-token step (the prompt's last token, which asks the question) gives token ``j`` in any KV head
     of the ranking ``layers``; every layer of the model ranks its own copy of token ``j`` by it.
 
-    Why: a needle dump (``evictlayers needles --task ruler``, "What the question's attention selects")
+    Why: a needle dump (``python -m research.needles --task ruler``, a research command of the repository)
     finds that SmolLM2-135M reads an answer in a few late layers, yet answers only when the value is held
     whole in many layers: each layer ranking by its own attention keeps the value in too few of them. A
     ranking shared by every layer keeps the same spans everywhere. Beside it in the policy, a layer's own
@@ -26,8 +26,8 @@ class CrossLayer(ScoreAccumulator):
     is not outvoted), and the ranking layers are chosen on a tuning split rather than early in the model.
 
     ``layers``: the ranking layers' indices (negative ones count from the end, as Python's do). Which layers
-    read a model's answers is the model's own: ``evictlayers needles full --task ruler --split tuning`` prints,
-    per layer, the share of query heads whose last-query attention ranks an answer's value whole, and the
+    read a model's answers is the model's own: ``python -m research.needles full --task ruler --split tuning``
+    prints, per layer, the share of query heads whose last-query attention ranks an answer's value whole, and the
     layers with at least half the largest share (SmolLM2-135M: layers 21 and 22; RazorAttention's induction
     layers, 17, 18 and 23, rank far worse there, docs/benchmarks.md). A layer before the last of them cannot
     evict until they have run, so at a multi-token step it holds its whole step (as transformers' own cache

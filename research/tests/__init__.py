@@ -1,0 +1,1 @@
+"""Tests of the research code; pytest collects them beside tests/ (pyproject.toml\x27s testpaths)."""
