@@ -8,13 +8,14 @@ from evictlayers.modules import (
     ClusterSketch, DenseKV, HeavyHitterSelector, KCenterSelector, QuantizedKV, RecentWindow, SinkTokens,
 )
 from evictlayers.scoring import (
-    Averaged, CrossLayer, Cumulative, KeyDiff, KeyNorm, LowScoreCounter, RecentThenCumulative, StepGainSoftmax,
-    ValuePrior, Windowed,
+    Averaged, ChunkScores, CrossLayer, Cumulative, KeyDiff, KeyNorm, LayerScope, LowScoreCounter, PooledScores,
+    RecentThenCumulative, SentenceScores, StepGainSoftmax, ValuePrior, Windowed,
 )
 
 __all__ = [
     "Averaged",
     "ByLayerKind",
+    "ChunkScores",
     "Induction",
     "CompileError",
     "CrossLayer",
@@ -27,15 +28,18 @@ __all__ = [
     "KCenterSelector",
     "KeyDiff",
     "KeyNorm",
+    "LayerScope",
     "LowScoreCounter",
     "Policy",
     "PolicyError",
+    "PooledScores",
     "Pyramid",
     "QuantizedKV",
     "Ramp",
     "RecipeError",
     "RecentThenCumulative",
     "RecentWindow",
+    "SentenceScores",
     "SinkTokens",
     "SlotStore",
     "StepGainSoftmax",

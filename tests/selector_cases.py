@@ -6,7 +6,8 @@ expected budget, tokens seen and protected positions are computed here from the 
 modules' documented rules, never read back from the policy or the store:
 
 - a budget is an ``int`` number of tokens per KV head, or a ``float`` fraction of each row's real
-  tokens in the first step, rounded half up, at least 1 (``Policy``);
+  tokens in the first step, rounded half up, at least ``min_budget`` (``Policy``; 1 here, so that a
+  fraction of these short prompts stays a fraction);
 - ``SinkTokens(n)`` keeps positions ``0 .. n-1`` of the row's real tokens (padding is not counted);
 - ``RecentWindow(size)`` keeps the ``size`` newest real tokens, a ``float`` size being that fraction of
   the row's budget rounded down;
@@ -36,7 +37,7 @@ SELECTORS: dict[str, SelectorFactory] = {
     "low_score_alpha": lambda: el.HeavyHitterSelector(el.LowScoreCounter(window=2, threshold=0.2)),
     "ahakv": lambda: el.HeavyHitterSelector(el.Windowed(3), el.StepGainSoftmax(), el.ValuePrior(3)),
     "keydiff": lambda: el.HeavyHitterSelector(el.KeyDiff()),
-    "knorm_pooled": lambda: el.HeavyHitterSelector(el.KeyNorm(), pool=3, pool_reduce="max"),
+    "knorm_pooled": lambda: el.HeavyHitterSelector(el.KeyNorm(), refine=[el.PooledScores(3, reduce="max")]),
     "local": lambda: None,  # no selector: the unprotected slots go to the most recent tokens
 }
 PROPERTY_SETTINGS = settings(
@@ -80,7 +81,8 @@ def make_policy(make_selector: SelectorFactory, s: dict) -> el.Policy:
     modules = [el.SinkTokens(s["sinks"])] if s["sinks"] else []
     modules += [el.RecentWindow(s["recent"])] if s["recent"] else []
     selector = make_selector()
-    return el.Policy(*modules, *([selector] if selector is not None else []), budget=s["budget"], drop=s["drop"])
+    return el.Policy(*modules, *([selector] if selector is not None else []), budget=s["budget"], min_budget=1,
+                     drop=s["drop"])
 
 
 def make_inputs(s: dict, perturb: bool):

@@ -108,7 +108,7 @@ def test_drop_amount_evicts_m_at_once_then_refills():
 
 
 def test_int_drop_against_a_small_float_budget_is_refused_when_resolved():
-    policy = el.Policy(el.RecentWindow(), budget=0.1, drop=4)
+    policy = el.Policy(el.RecentWindow(), budget=0.1, min_budget=1, drop=4)
     assert policy.resolve_budget(torch.tensor([100])).tolist() == [10]
     with pytest.raises(ValueError, match="drop amount 4 is not below the budget 2"):
         policy.resolve_budget(torch.tensor([20]))

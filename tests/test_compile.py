@@ -55,21 +55,25 @@ POLICIES = {
     "scissorhands-ahakv-parts": lambda: el.Policy(
         el.SinkTokens(2), el.RecentWindow(3),
         el.HeavyHitterSelector(el.Windowed(8), el.StepGainSoftmax(), el.ValuePrior()),
-        budget=0.5, drop=0.25,
+        budget=0.5, min_budget=1, drop=0.25,
     ),
     # per-head state (KeyDiff's anchor), pooling, layer scope (its max and its mean over the heads) and a
     # budget split between two selectors
     "shared-budget-key-scorers": lambda: el.Policy(
         el.SinkTokens(1),
-        el.HeavyHitterSelector(el.Windowed(4), pool=3, scope="layer", scope_reduce="max", share=0.5),
-        el.HeavyHitterSelector(el.KeyDiff(), scope="layer", share=0.5),
-        budget=0.5,
+        el.HeavyHitterSelector(el.Windowed(4), refine=[el.PooledScores(3), el.LayerScope("max")], share=0.5),
+        el.HeavyHitterSelector(el.KeyDiff(), refine=[el.LayerScope()], share=0.5),
+        budget=0.5, min_budget=1,
     ),
     # ChunkKV's chunk sums (a sort, cumulative sums and run ends in the graph)
-    "chunks": lambda: el.Policy(el.RecentWindow(2), el.HeavyHitterSelector(el.Windowed(4), chunk=3), budget=0.5),
+    "chunks": lambda: el.Policy(
+        el.RecentWindow(2), el.HeavyHitterSelector(el.Windowed(4), refine=[el.ChunkScores(3)]),
+        budget=0.5, min_budget=1,
+    ),
     # sentence chunks: each new token's sentence start written into the selector's state in the graph
     "sentences": lambda: el.Policy(
-        el.RecentWindow(2), el.HeavyHitterSelector(el.Windowed(4), chunk="sentence", sentence_cap=4), budget=0.5
+        el.RecentWindow(2), el.HeavyHitterSelector(el.Windowed(4), refine=[el.SentenceScores(4)]), budget=0.5,
+        min_budget=1,
     ),
 }
 

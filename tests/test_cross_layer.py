@@ -99,8 +99,8 @@ def test_a_share_beside_each_layers_own_selection():
     weights = reference_attention(model, ids, mask)
     policy = el.Policy(
         el.SinkTokens(2),
-        el.HeavyHitterSelector(el.CrossLayer([2]), scope="layer", share=0.5),
-        el.HeavyHitterSelector(el.Windowed(rows=1), scope="layer", share=0.5),
+        el.HeavyHitterSelector(el.CrossLayer([2]), refine=[el.LayerScope()], share=0.5),
+        el.HeavyHitterSelector(el.Windowed(rows=1), refine=[el.LayerScope()], share=0.5),
         budget=10, gqa_reduce="max",
     )
     held = held_by_layer(run_prompt(model, policy, ids, mask))
@@ -199,8 +199,10 @@ def test_the_sliding_layers_must_rank_by_the_same_layers():
 
 def test_the_recipe_round_trips(tmp_path):
     policy = el.Policy(
-        el.SinkTokens(4), el.HeavyHitterSelector(el.CrossLayer([-9, -8]), chunk=5, scope="layer", share=0.75),
-        el.HeavyHitterSelector(el.Windowed(rows=1), chunk=5, scope="layer", share=0.25), budget=0.2,
+        el.SinkTokens(4),
+        el.HeavyHitterSelector(el.CrossLayer([-9, -8]), refine=[el.ChunkScores(5), el.LayerScope()], share=0.75),
+        el.HeavyHitterSelector(el.Windowed(rows=1), refine=[el.ChunkScores(5), el.LayerScope()], share=0.25),
+        budget=0.2,
     )
     path = tmp_path / "cross.yaml"
     el.dump_recipe(policy, path)

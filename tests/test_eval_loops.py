@@ -22,7 +22,7 @@ from tiny_models import single_thread  # noqa: F401
 
 FULL = el.Policy(budget=None)
 H2O = el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=0.2)
-LOCAL = el.Policy(el.RecentWindow(), budget=0.2)
+LOCAL = el.Policy(el.RecentWindow(), budget=0.2, min_budget=1)  # the tiny model's short streams: no floor
 
 
 @pytest.fixture(scope="module")
@@ -94,6 +94,12 @@ def test_float_budget_is_a_fraction_of_the_streamed_tokens(model, tok, books):
     # the same as asking for 10 tokens directly
     direct, _ = _evaluate(model, task, {"local": el.Policy(el.RecentWindow(), budget=10)})
     assert direct["local"]["perplexity"] == summaries["local"]["perplexity"]
+
+
+def test_a_streamed_fraction_is_lifted_to_the_floor(model, tok, books):
+    task = make_task("perplexity", tok, data=books, n_docs=1, doc_tokens=51)  # 50 tokens streamed: 10 at 0.2
+    summaries, _ = _evaluate(model, task, {"local": el.Policy(el.RecentWindow(), budget=0.2, min_budget=16)})
+    assert summaries["local"]["budget_tokens"] == 16
 
 
 # ---- agreement ----------------------------------------------------------------------------------

@@ -42,7 +42,7 @@ def test_component_error_names_layer_and_component_and_the_model_is_restored():
 
 def test_configuration_errors_keep_their_type_and_name_the_layer():
     model = build("llama")
-    policy = el.Policy(el.RecentWindow(4), el.HeavyHitterSelector(el.Cumulative()), budget=0.1)  # 1 token of 12
+    policy = el.Policy(el.RecentWindow(4), el.HeavyHitterSelector(el.Cumulative()), budget=0.1, min_budget=1)  # 1 of 12
     with pytest.raises(ValueError, match="cannot hold the protected slots") as caught:
         with el.apply(model, policy):
             _greedy(model)

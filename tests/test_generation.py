@@ -37,7 +37,8 @@ CASES = [pytest.param(name, impl, id=f"{name}-{impl}") for name, impl in FAMILY_
 
 
 def h2o(budget) -> el.Policy:
-    return el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=budget)
+    # min_budget=1: a fraction of these short prompts is the budget itself, below the default floor
+    return el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=budget, min_budget=1)
 
 
 def row_budget(budget, length: int) -> int:

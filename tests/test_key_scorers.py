@@ -88,7 +88,7 @@ def test_keynorm_near_equal_norms_evict_the_oldest():
 def test_pooled_selection_matches_reference(reduce, side, width):
     torch.manual_seed(5)
     keys = torch.randn(1, 36, 8) * 2
-    selector = el.HeavyHitterSelector(el.KeyNorm(), pool=width, pool_reduce=reduce, pool_side=side)
+    selector = el.HeavyHitterSelector(el.KeyNorm(), refine=[el.PooledScores(width, reduce, side)])
     _, history = _drive(el.Policy(selector, budget=10), keys, prompt=24)
     keep = _lowest_out(lambda held: pooled(keynorm_scores(keys[0], held), width, reduce, side))
     assert [h[0] for h in history] == run_reference(keys[0], 24, 10, keep)
@@ -100,7 +100,8 @@ def test_pooling_keeps_a_multi_token_needle_whole():
     keys[0, :, 0] = torch.linspace(1.0, 1.2, 40)  # filler norms: gently rising
     keys[0, 15:18] = torch.tensor([[0.1, 0, 0, 0], [3.0, 0, 0, 0], [0.1, 0, 0, 0]])  # small norms around a big one
     unpooled = _drive(el.Policy(el.HeavyHitterSelector(el.KeyNorm()), budget=6), keys, prompt=40)[1][-1][0]
-    pooled_set = _drive(el.Policy(el.HeavyHitterSelector(el.KeyNorm(), pool=3), budget=6), keys, prompt=40)[1][-1][0]
+    pooled_set = _drive(el.Policy(el.HeavyHitterSelector(el.KeyNorm(), refine=[el.PooledScores(3)]), budget=6), keys,
+                        prompt=40)[1][-1][0]
     assert {15, 17} <= unpooled and 16 not in unpooled
     assert {15, 16, 17} <= pooled_set
 
@@ -111,10 +112,11 @@ def test_pooling_before_carries_a_score_forward_only():
     lifts both sides)."""
     keys = torch.ones(1, 40, 4)
     keys[0, 20] = torch.tensor([0.1, 0, 0, 0])
-    def kept(**pool):
-        return _drive(el.Policy(el.HeavyHitterSelector(el.KeyNorm(), **pool), budget=3), keys, prompt=40)[1][-1][0]
-    assert kept(pool=3, pool_reduce="max", pool_side="before") == {20, 21, 22}
-    assert kept(pool=3, pool_reduce="max") == {19, 20, 21}
+    def kept(pooling):
+        return _drive(el.Policy(el.HeavyHitterSelector(el.KeyNorm(), refine=[pooling]), budget=3), keys,
+                      prompt=40)[1][-1][0]
+    assert kept(el.PooledScores(3, reduce="max", side="before")) == {20, 21, 22}
+    assert kept(el.PooledScores(3, reduce="max")) == {19, 20, 21}
 
 
 def _chunk_sums(scores: dict[int, float], chunk: int, reduce: str = "sum") -> dict[int, float]:
@@ -131,7 +133,7 @@ def _chunk_sums(scores: dict[int, float], chunk: int, reduce: str = "sum") -> di
 def test_chunked_selection_matches_reference(chunk, budget, reduce):
     torch.manual_seed(chunk * 11 + budget)
     keys = torch.randn(1, 44, 8) * 2
-    policy = el.Policy(el.HeavyHitterSelector(el.KeyNorm(), chunk=chunk, chunk_reduce=reduce), budget=budget)
+    policy = el.Policy(el.HeavyHitterSelector(el.KeyNorm(), refine=[el.ChunkScores(chunk, reduce)]), budget=budget)
     _, history = _drive(policy, keys, prompt=30)
     keep = _lowest_out(lambda held: _chunk_sums(keynorm_scores(keys[0], held), chunk, reduce))
     assert [h[0] for h in history] == run_reference(keys[0], 30, budget, keep)
@@ -141,19 +143,26 @@ def test_chunks_after_a_prefill_are_whole():
     """Budget 12 with chunks of 4 on a 40-token prompt: exactly three whole chunks stay."""
     torch.manual_seed(8)
     keys = torch.randn(1, 40, 8) * 2
-    kept = _drive(el.Policy(el.HeavyHitterSelector(el.KeyNorm(), chunk=4), budget=12), keys, prompt=40)[1][-1][0]
+    policy = el.Policy(el.HeavyHitterSelector(el.KeyNorm(), refine=[el.ChunkScores(4)]), budget=12)
+    kept = _drive(policy, keys, prompt=40)[1][-1][0]
     assert len(kept) == 12 and all({4 * (j // 4) + i for i in range(4)} <= kept for j in kept)
 
 
 def test_chunk_length_is_checked():
-    with pytest.raises(ValueError, match=r"chunk=0.*int >= 1"):
-        el.HeavyHitterSelector(el.KeyNorm(), chunk=0)
+    with pytest.raises(ValueError, match=r"ChunkScores\(size=0\).*int >= 2"):
+        el.ChunkScores(0)
+    with pytest.raises(ValueError, match=r"ChunkScores\(size=1\).*leave ChunkScores out for no chunks"):
+        el.ChunkScores(1)
+    with pytest.raises(ValueError, match=r"size='sentence'.*SentenceScores\(cap\) chunks the text's sentences"):
+        el.ChunkScores("sentence")
+    with pytest.raises(ValueError, match=r"ChunkScores\(reduce='max'\): expected one of \('sum', 'mean'\)"):
+        el.ChunkScores(5, reduce="max")
 
 
 def test_layer_scope_keeps_the_same_tokens_in_every_head():
     torch.manual_seed(6)
     keys = torch.randn(3, 40, 8) + 1.0
-    policy = el.Policy(el.HeavyHitterSelector(el.KeyDiff(), scope="layer"), budget=9)
+    policy = el.Policy(el.HeavyHitterSelector(el.KeyDiff(), refine=[el.LayerScope()]), budget=9)
     store, history = _drive(policy, keys, prompt=20, heads=3)
 
     def mean_over_heads(held):
@@ -169,7 +178,7 @@ def test_layer_scope_keeps_the_same_tokens_in_every_head():
 def test_layer_scope_max_keeps_what_any_head_ranks_highest():
     torch.manual_seed(6)
     keys = torch.randn(3, 40, 8) + 1.0
-    policy = el.Policy(el.HeavyHitterSelector(el.KeyDiff(), scope="layer", scope_reduce="max"), budget=9)
+    policy = el.Policy(el.HeavyHitterSelector(el.KeyDiff(), refine=[el.LayerScope("max")]), budget=9)
     store, history = _drive(policy, keys, prompt=20, heads=3)
 
     def max_over_heads(held):
@@ -179,12 +188,11 @@ def test_layer_scope_max_keeps_what_any_head_ranks_highest():
     expected = run_reference(keys[0], 20, 9, _lowest_out(max_over_heads))
     assert [h[0] for h in history] == expected
     assert all(h[0] == h[1] == h[2] for h in history)
-    mean = _drive(el.Policy(el.HeavyHitterSelector(el.KeyDiff(), scope="layer"), budget=9), keys, prompt=20, heads=3)
+    mean_policy = el.Policy(el.HeavyHitterSelector(el.KeyDiff(), refine=[el.LayerScope()]), budget=9)
+    mean = _drive(mean_policy, keys, prompt=20, heads=3)
     assert [h[0] for h in mean[1]] != expected  # the reduction matters on these keys
-    with pytest.raises(ValueError, match=r"scope_reduce='max'\) combines a layer's heads: it needs scope='layer'"):
-        el.HeavyHitterSelector(el.KeyDiff(), scope_reduce="max")
-    with pytest.raises(ValueError, match=r"scope_reduce='median'\): expected one of \('mean', 'max'\)"):
-        el.HeavyHitterSelector(el.KeyDiff(), scope="layer", scope_reduce="median")
+    with pytest.raises(ValueError, match=r"LayerScope\(reduce='median'\): expected one of \('mean', 'max'\)"):
+        el.LayerScope("median")
 
 
 @pytest.mark.parametrize("shares", [(0.5, 0.5), (0.25, 0.75), (0.7, 0.3)], ids=str)
@@ -209,7 +217,7 @@ def test_shares_after_protections_and_two_selectors_of_one_type():
     policy = el.Policy(
         el.RecentWindow(4),
         el.HeavyHitterSelector(el.KeyNorm(), share=0.5),
-        el.HeavyHitterSelector(el.KeyNorm(), pool=3, share=0.5),
+        el.HeavyHitterSelector(el.KeyNorm(), refine=[el.PooledScores(3)], share=0.5),
         budget=12,
     )
     store, history = _drive(policy, keys, prompt=25)
@@ -227,31 +235,45 @@ def test_shares_after_protections_and_two_selectors_of_one_type():
 def test_shared_budget_round_trips_through_yaml(tmp_path):
     policy = el.Policy(
         el.SinkTokens(4),
-        el.HeavyHitterSelector(el.Averaged(), pool=7, pool_reduce="max", share=0.5),
-        el.HeavyHitterSelector(el.KeyDiff(), scope="head", share=0.5),
+        el.HeavyHitterSelector(el.Averaged(), refine=[el.PooledScores(7, reduce="max")], share=0.5),
+        el.HeavyHitterSelector(el.KeyDiff(), share=0.5),
         budget=0.2,
     )
     path = tmp_path / "hybrid.yaml"
     el.dump_recipe(policy, path)
     assert el.load_recipe(path) == policy
-    assert "scope" not in path.read_text()  # defaults stay out of the file
+    assert path.read_text().count("refine") == 1  # defaults stay out of the file: no empty list
 
 
 @pytest.mark.parametrize(
-    "kwargs,message",
+    "make,message",
     [
-        ({"pool": 4}, "odd int >= 3"),
-        ({"pool": 0}, "int >= 1"),
-        ({"pool_side": "after"}, "pool_side='after'"),
-        ({"pool_reduce": "median"}, "pool_reduce='median'"),
-        ({"scope": "row"}, "scope='row'"),
-        ({"share": 1.5}, "float in (0, 1)"),
+        (lambda: el.PooledScores(4), "PooledScores(window=4): with side='both' the width must be an odd int >= 3"),
+        (lambda: el.PooledScores(1), "PooledScores(window=1): the pooling width must be an int >= 2"),
+        (lambda: el.PooledScores(3, side="after"), "PooledScores(side='after'): expected 'both'"),
+        (lambda: el.PooledScores(3, reduce="median"), "PooledScores(reduce='median'): expected one of"),
+        (lambda: el.HeavyHitterSelector(el.KeyDiff(), share=1.5), "float in (0, 1)"),
+        (lambda: el.HeavyHitterSelector(el.KeyDiff(), refine=[el.PooledScores(3), el.PooledScores(5)]),
+         "holds PooledScores more than once"),
+        (lambda: el.HeavyHitterSelector(el.KeyDiff(), refine=[el.LayerScope(), el.ChunkScores(5)]),
+         "LayerScope makes every head of the layer rank alike"),
     ],
-    ids=str,
+    ids=["pool-even", "pool-1", "pool-side", "pool-reduce", "share", "pool-twice", "scope-not-last"],
 )
-def test_bad_selector_options_are_named(kwargs, message):
+def test_bad_selector_options_are_named(make, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        el.HeavyHitterSelector(el.KeyDiff(), **kwargs)
+        make()
+
+
+@pytest.mark.parametrize(
+    "refine,message",
+    [(el.PooledScores(5), "expected a list of score refinements"),
+     ([el.Cumulative()], r"item #0 is Cumulative\(\); expected a ScoreRefinement")],
+    ids=["not-a-list", "not-a-refinement"],
+)
+def test_refine_takes_a_list_of_refinements(refine, message):
+    with pytest.raises(TypeError, match=message):
+        el.HeavyHitterSelector(el.KeyDiff(), refine=refine)
 
 
 def test_bad_policies_with_several_selectors_are_named():
@@ -261,8 +283,8 @@ def test_bad_policies_with_several_selectors_are_named():
         el.Policy(el.HeavyHitterSelector(el.KeyDiff(), share=0.5), el.HeavyHitterSelector(el.KeyNorm()), budget=8)
     with pytest.raises(ValueError, match="sum to 0.9"):
         el.Policy(el.HeavyHitterSelector(el.KeyDiff(), share=0.5), el.HeavyHitterSelector(el.KeyNorm(), share=0.4))
-    with pytest.raises(ValueError, match="mix scope"):
-        el.Policy(el.HeavyHitterSelector(el.KeyDiff(), share=0.5, scope="layer"),
+    with pytest.raises(ValueError, match="mix a LayerScope refinement with selectors without one"):
+        el.Policy(el.HeavyHitterSelector(el.KeyDiff(), refine=[el.LayerScope()], share=0.5),
                   el.HeavyHitterSelector(el.KeyNorm(), share=0.5))
     with pytest.raises(ValueError, match="one softmax"):
         el.Policy(el.HeavyHitterSelector(el.Cumulative(), el.StepGainSoftmax(), share=0.5),

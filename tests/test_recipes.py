@@ -16,12 +16,11 @@ import evictlayers as el
 
 RECIPES_DIR = Path(el.__file__).parent / "recipes"
 RECIPES = sorted(RECIPES_DIR.glob("*.yaml"))
-# the recipe search's candidates (evictlayers/eval/candidates/): not shipped, but loaded by the report's runs
-CANDIDATES = sorted((Path(el.__file__).parent / "eval" / "candidates").rglob("*.yaml"))
 
 # the optional top-level keys and what leaving them out means (compose/recipes.py docstring, Policy's
 # signature); `budget` and `modules` are always written
 POLICY_DEFAULTS = {
+    "min_budget": 32,
     "drop": 1,
     "allocation": {"_component_": "Uniform"},
     "gqa_reduce": "sum",
@@ -45,6 +44,8 @@ def _normalised_component(node: dict) -> dict:
             continue  # a required argument the node lacks: left missing, so the comparison fails
         if isinstance(value, dict):
             value = _normalised_component(value)
+        elif isinstance(value, (list, tuple)) and all(isinstance(item, dict) for item in value):
+            value = [_normalised_component(item) for item in value]  # a list of components (refine), or []
         if cls is el.LowScoreCounter and name == "threshold" and isinstance(value, str):
             value = value.replace(" ", "")  # LowScoreCounter: "1 / t" and "1/t" are the same threshold
         out[name] = value
@@ -80,24 +81,28 @@ def test_recipes_are_shipped():
 def test_normalisation_fills_only_documented_defaults():
     """The comparison below is only as good as this helper: it must not hide a real difference."""
     assert _normalised({"budget": 0.2, "modules": [{"_component_": "RecentWindow"}]}) == {
-        "budget": 0.2, "drop": 1, "allocation": {"_component_": "Uniform"}, "gqa_reduce": "sum",
+        "budget": 0.2, "min_budget": 32, "drop": 1, "allocation": {"_component_": "Uniform"}, "gqa_reduce": "sum",
         "storage": {"_component_": "DenseKV"}, "positions": "absolute",
         "modules": [{"_component_": "RecentWindow", "size": None}],
     }
-    selector = {"_component_": "HeavyHitterSelector", "accumulator": {"_component_": "Windowed"}, "pool": 5}
+    selector = {"_component_": "HeavyHitterSelector", "accumulator": {"_component_": "Windowed"},
+                "refine": [{"_component_": "PooledScores", "window": 5}, {"_component_": "LayerScope"}]}
     assert _normalised_component(selector) == {
         "_component_": "HeavyHitterSelector", "accumulator": {"_component_": "Windowed", "rows": 32, "reduce": "sum"},
-        "transform": None, "prior": None, "pool": 5, "pool_reduce": "mean", "pool_side": "both", "chunk": 1,
-        "sentence_cap": 32, "chunk_reduce": "sum", "scope": "head", "scope_reduce": "mean", "share": None,
+        "transform": None, "prior": None, "share": None, "refine": [
+            {"_component_": "PooledScores", "window": 5, "reduce": "mean", "side": "both"},
+            {"_component_": "LayerScope", "reduce": "mean"}],
     }
+    assert _normalised_component({"_component_": "HeavyHitterSelector", "accumulator": {"_component_": "KeyDiff"}})[
+        "refine"] == []
     assert _typed({"size": 32}) != _typed({"size": 32.0})
     with pytest.raises(AssertionError, match="no constructor arguments"):
         _normalised_component({"_component_": "RecentWindow", "window": 3})
 
 
-@pytest.mark.parametrize("path", RECIPES + CANDIDATES, ids=lambda p: f"{p.parent.name}/{p.stem}")
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: f"{p.parent.name}/{p.stem}")
 def test_every_recipe_dumps_what_its_yaml_file_says(path, tmp_path):
-    """Load a shipped file (or a search candidate), dump it, and compare the dumped YAML with the file's own
+    """Load a shipped file, dump it, and compare the dumped YAML with the file's own
     YAML; then read the dump back and dump again: still the file's mapping."""
     written = _typed(_normalised(yaml.safe_load(path.read_text())))
     policy = el.load_recipe(path)
@@ -106,9 +111,8 @@ def test_every_recipe_dumps_what_its_yaml_file_says(path, tmp_path):
     assert _typed(_normalised(dumped)) == written
     again = yaml.safe_load(el.dump_recipe(el.load_recipe(tmp_path / "again.yaml")))
     assert _typed(_normalised(again)) == written
-    if path in RECIPES:
-        by_name = yaml.safe_load(el.dump_recipe(el.load_recipe(path.stem)))  # the shipped name finds the file
-        assert _typed(_normalised(by_name)) == written
+    by_name = yaml.safe_load(el.dump_recipe(el.load_recipe(path.stem)))  # the shipped name finds the file
+    assert _typed(_normalised(by_name)) == written
 
 
 def test_h2o_recipe_is_the_papers_split():
@@ -153,11 +157,3 @@ def test_bad_budget_in_recipe_is_reported(tmp_path):
 def test_missing_recipe_file():
     with pytest.raises(FileNotFoundError, match="nope.yaml does not exist"):
         el.load_recipe("nope.yaml")
-
-
-def test_the_shipped_retrieval_recipe_is_the_candidate_the_tuning_split_chose():
-    """docs/retrieval.md reports the search candidate by its file name; the shipped recipe must be it."""
-    candidates = Path(el.__file__).parent / "eval" / "candidates"
-    assert el.load_recipe("tova_keydiff_chunked") == el.load_recipe(
-        candidates / "tova_keydiff_chunk5_by_kind25_sliding_h2o.yaml")
-    assert el.load_recipe("tova_keydiff_induction") == el.load_recipe(candidates / "tova_keydiff_chunk5_induction50.yaml")

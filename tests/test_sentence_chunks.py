@@ -1,6 +1,6 @@
-"""Sentence chunks (``HeavyHitterSelector(chunk="sentence")``): where each token's sentence starts, from
-the sentence-end marks, against a plain loop; the selection against a loop over the held tokens' sentence
-sums; the tokenizer's sentence-end table; the errors a user meets."""
+"""Sentence chunks (``HeavyHitterSelector(..., refine=[SentenceScores(cap)])``): where each token's
+sentence starts, from the sentence-end marks, against a plain loop; the selection against a loop over the
+held tokens' sentence sums; the tokenizer's sentence-end table; the errors a user meets."""
 
 from __future__ import annotations
 
@@ -51,10 +51,11 @@ def test_sentence_selection_matches_reference(cap, budget, reduce):
     q, v = torch.randn(1, n, d), torch.randn(1, n, d)
     ends = (torch.rand(n) < 0.2).tolist()
     starts = reference_starts(ends)
-    options = {"sentence_cap": cap} if cap != 32 else {}  # 32: the default
+    options = {"cap": cap} if cap != 32 else {}  # 32: the default
     if reduce != "sum":
-        options["chunk_reduce"] = reduce
-    store = el.SlotStore(el.Policy(el.HeavyHitterSelector(el.KeyNorm(), chunk="sentence", **options), budget=budget))
+        options["reduce"] = reduce
+    selector = el.HeavyHitterSelector(el.KeyNorm(), refine=[el.SentenceScores(**options)])
+    store = el.SlotStore(el.Policy(selector, budget=budget))
     held = []
     expected = []
     for start, stop in [(0, prompt)] + [(i, i + 1) for i in range(prompt, n)]:
@@ -80,7 +81,7 @@ def test_sentence_starts_follow_the_marks_across_steps_and_padding():
     marks = torch.rand(2, total) < 0.3
     marks[1, 0] = True  # a padding token marked as an end must not count
     q, k, v = (torch.randn(2, 1, total, d) for _ in range(3))
-    store = el.SlotStore(el.Policy(el.HeavyHitterSelector(el.KeyNorm(), chunk="sentence"), budget=1000))
+    store = el.SlotStore(el.Policy(el.HeavyHitterSelector(el.KeyNorm(), refine=[el.SentenceScores()]), budget=1000))
     for start, stop in [(0, 10), (10, width)] + [(i, i + 1) for i in range(width, total)]:
         store.step(q[:, :, start:stop], k[:, :, start:stop], v[:, :, start:stop], real[:, start:stop],
                    scaling=d**-0.5, sentence_ends=marks[:, start:stop])
@@ -102,7 +103,7 @@ def test_sentence_end_table_marks_ids_whose_text_ends_a_sentence():
 
 
 def _sentence_policy(budget=8):
-    return el.Policy(el.SinkTokens(1), el.HeavyHitterSelector(el.Windowed(4), chunk="sentence", sentence_cap=4),
+    return el.Policy(el.SinkTokens(1), el.HeavyHitterSelector(el.Windowed(4), refine=[el.SentenceScores(4)]),
                      budget=budget)
 
 
@@ -141,23 +142,17 @@ def test_sentence_policy_errors_name_what_is_missing():
         store.step(x, x, x, scaling=1.0)
     with pytest.raises(ValueError, match=r"\[B, Q\] = \[1, 6\] bool"):
         store.step(x, x, x, scaling=1.0, sentence_ends=torch.zeros(1, 5, dtype=torch.bool))
-    with pytest.raises(ValueError, match=r"chunk='sentence'"):
-        el.HeavyHitterSelector(el.KeyNorm(), sentence_cap=8)
-    with pytest.raises(ValueError, match=r"chunk='paragraph'.*'sentence'"):
-        el.HeavyHitterSelector(el.KeyNorm(), chunk="paragraph")
-    with pytest.raises(ValueError, match=r"chunk_reduce='max'.*\('sum', 'mean'\)"):
-        el.HeavyHitterSelector(el.KeyNorm(), chunk="sentence", chunk_reduce="max")
-    with pytest.raises(ValueError, match=r"chunk_reduce='mean'.*chunk >= 2"):
-        el.HeavyHitterSelector(el.KeyNorm(), chunk_reduce="mean")
-    with pytest.raises(ValueError, match=r"sentence_cap=0"):
-        el.HeavyHitterSelector(el.KeyNorm(), chunk="sentence", sentence_cap=0)
+    with pytest.raises(ValueError, match=r"SentenceScores\(reduce='max'\): expected one of \('sum', 'mean'\)"):
+        el.SentenceScores(reduce="max")
+    with pytest.raises(ValueError, match=r"SentenceScores\(cap=0\): the longest sentence chunk must be an int >= 1"):
+        el.SentenceScores(cap=0)
 
 
 def test_other_policies_ignore_the_tokenizer():
     """A policy that does not rank sentences runs the same with or without a tokenizer."""
     model = build("llama")
     ids, mask = left_padded([20, 13])
-    policy = el.Policy(el.SinkTokens(1), el.HeavyHitterSelector(el.Windowed(4), chunk=3), budget=8)
+    policy = el.Policy(el.SinkTokens(1), el.HeavyHitterSelector(el.Windowed(4), refine=[el.ChunkScores(3)]), budget=8)
     outs = []
     for tokenizer in (None, CharTokenizer()):
         with torch.no_grad(), el.apply(model, policy, tokenizer=tokenizer):
@@ -175,7 +170,7 @@ def test_beam_reorder_moves_each_rows_last_sentence_end():
     q, k, v = (torch.randn(2, 1, 20, 8) for _ in range(3))
     marks = torch.zeros(2, 20, dtype=torch.bool)
     marks[0, 10], marks[1, 4] = True, True  # the rows' last ends before the decode steps differ
-    policy = el.Policy(el.HeavyHitterSelector(el.KeyNorm(), chunk="sentence", sentence_cap=4), budget=8)
+    policy = el.Policy(el.HeavyHitterSelector(el.KeyNorm(), refine=[el.SentenceScores(4)]), budget=8)
 
     def store_after(rows, reorder=None):
         layer = EvictionLayer(policy)

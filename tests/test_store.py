@@ -66,7 +66,7 @@ def test_state_bytes_count_a_windowed_ring():
 
 def test_padding_occupies_no_slot_and_padded_row_equals_row_alone():
     q, k, v = _qkv(batch=1, n=20, seed=1)
-    policy = el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=0.4)
+    policy = el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=0.4, min_budget=1)
     alone = el.SlotStore(policy)
     _feed(alone, q[:, :, :14], k[:, :, :14], v[:, :, :14], chunk=14)
     # the same 14 tokens after 6 padding columns carrying garbage
@@ -89,7 +89,7 @@ def test_float_budget_is_per_row():
     q, k, v = _qkv(batch=2, n=20)
     real = torch.ones(2, 20, dtype=torch.bool)
     real[1, :10] = False
-    store = el.SlotStore(el.Policy(el.RecentWindow(), budget=0.5))
+    store = el.SlotStore(el.Policy(el.RecentWindow(), budget=0.5, min_budget=1))
     _feed(store, q, k, v, real, chunk=20)
     assert store.budget.tolist() == [10, 5]
     assert store.retained()[:, 0].tolist() == [10, 5]

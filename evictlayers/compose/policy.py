@@ -4,6 +4,7 @@ the slots, ``compose/store.py`` holds them."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -11,6 +12,7 @@ from torch import nn
 
 from evictlayers.compose.allocation import Allocation, Uniform
 from evictlayers.compose.positions import POSITIONS
+from evictlayers.compose.recipe_mapping import RecipeError, policy_arguments, policy_mapping
 from evictlayers.compose.selection import SelectorSet
 from evictlayers.core import Component
 from evictlayers.kernels import GQA_REDUCTIONS
@@ -49,6 +51,14 @@ class Policy(nn.Module):
     ``float`` fraction of the budget (the paper uses ``m = 0.5 B``). ``allocation`` splits the budget
     across layers (``Uniform``, ``Ramp``, ``Pyramid``, ``ByLayerKind``, ``Induction``; the budget is the per-layer
     mean).
+    ``min_budget`` (an ``int``, default 32) is the fewest tokens per head a ``float`` budget resolves to:
+    a fraction of a short prompt gives ``max(round(fraction * prompt), min_budget)`` (before the
+    allocation splits it across layers), and the policy warns, once, the first time the floor lifts a
+    budget. 20% of a 4-token prompt is one token per head, too few to generate coherent text from;
+    32 holds a few sentences beside the usual protections (4 sinks, a recent window) and binds only
+    below 160 prompt tokens at 20% (320 at 10%), so the prompts a fraction is meant for are untouched.
+    An ``int`` budget is used as given; ``min_budget=1`` turns the floor off (a fraction still gives
+    at least one token, silently).
     ``positions`` is which rotary positions attention sees: ``"absolute"`` (default: each key keeps the
     RoPE of its original position) or ``"rolling"`` (keys held un-rotated and re-rotated to their rank
     among the retained tokens, as StreamingLLM does, so a bounded cache never shows the model a position
@@ -64,6 +74,7 @@ class Policy(nn.Module):
         self,
         *modules: nn.Module,
         budget: int | float | None = None,
+        min_budget: int = 32,
         drop: int | float = 1,
         allocation: Allocation | None = None,
         gqa_reduce: str = "sum",
@@ -105,6 +116,11 @@ class Policy(nn.Module):
                 "fraction of the budget)"
             )
         self._check_budget(budget)
+        if isinstance(min_budget, bool) or not isinstance(min_budget, int) or min_budget < 1:
+            raise ValueError(
+                f"Policy(min_budget={min_budget!r}): the floor of a fraction budget must be an int >= 1 tokens per "
+                "head (1: no floor)"
+            )
         self._check_drop(drop, budget)
         if allocation is not None and not isinstance(allocation, Allocation):
             raise TypeError(
@@ -131,6 +147,9 @@ class Policy(nn.Module):
         self.selectors = selector_set
         self.sketch = sketches[0] if sketches else None  # absorbs what eviction frees
         self.budget = budget
+        self.min_budget = min_budget
+        # one warning per policy, the first time the floor lifts a budget (the sliding layers' policy shares it)
+        self._floor_warned = [False]
         self.drop = drop
         self.allocation = allocation if allocation is not None else Uniform()
         self.gqa_reduce = gqa_reduce
@@ -151,10 +170,13 @@ class Policy(nn.Module):
         if not isinstance(modules, (list, tuple)):
             raise TypeError(f"Policy(sliding_modules={modules!r}): expected a list of modules")
         try:
-            return Policy(*modules, budget=self.budget, drop=self.drop, allocation=self.allocation,
-                          gqa_reduce=self.gqa_reduce, storage=self.storage, positions=self.positions)
+            sliding = Policy(*modules, budget=self.budget, min_budget=self.min_budget, drop=self.drop,
+                             allocation=self.allocation, gqa_reduce=self.gqa_reduce, storage=self.storage,
+                             positions=self.positions)
         except (TypeError, ValueError) as error:
             raise type(error)(f"Policy(sliding_modules=...): {error}") from None
+        sliding._floor_warned = self._floor_warned
+        return sliding
 
     def for_layer(self, sliding: bool) -> Policy:
         """The policy a layer runs: ``sliding_modules``' for a sliding-window layer when given, else this one."""
@@ -253,6 +275,7 @@ class Policy(nn.Module):
             and self.modules_in_order == other.modules_in_order
             and self.budget == other.budget
             and type(self.budget) is type(other.budget)
+            and self.min_budget == other.min_budget
             and self.drop == other.drop
             and type(self.drop) is type(other.drop)
             and self.allocation == other.allocation
@@ -273,14 +296,13 @@ class Policy(nn.Module):
             RecipeError: a key is unknown or a value is invalid (every problem, naming the changes).
             ValueError: the changed policy is inconsistent (e.g. its protected slots do not fit the budget).
         """
-        from evictlayers.compose.recipes import policy_from_dict, policy_to_dict  # recipes builds Policy objects
-
         described = ", ".join(f"{key}={value!r}" for key, value in changes.items())
         return policy_from_dict({**policy_to_dict(self), **changes}, source=f"Policy.replace({described})")
 
     def extra_repr(self) -> str:
         rolling = ", positions='rolling'" if self.positions == "rolling" else ""
-        return f"{_describe_budget(self.budget)}, drop={self.drop!r}, gqa_reduce={self.gqa_reduce!r}{rolling}"
+        floor = f", min_budget={self.min_budget}" if isinstance(self.budget, float) else ""
+        return f"{_describe_budget(self.budget)}{floor}, drop={self.drop!r}, gqa_reduce={self.gqa_reduce!r}{rolling}"
 
     # ---- budgets -------------------------------------------------------------------------------
 
@@ -334,8 +356,13 @@ class Policy(nn.Module):
             budget = torch.full_like(prompt_len, self.budget)
             where = f"budget={self.budget} tokens per head"
         else:
-            budget = torch.floor(prompt_len.double() * self.budget + 0.5).long().clamp(min=1)
+            fraction = torch.floor(prompt_len.double() * self.budget + 0.5).long().clamp(min=1)  # never none
+            budget = fraction.clamp(min=self.min_budget)
             where = f"budget={self.budget} of a {int(prompt_len.max())}-token prompt"
+            lifted = fraction < self.min_budget
+            if bool(lifted.any()):
+                where += f" (at least min_budget={self.min_budget})"
+                self._warn_floor(prompt_len[lifted], fraction[lifted])
         if num_layers > 1:
             budget = self.allocation.layer_budgets(budget, num_layers, sliding_layers)[layer_idx]
             where += f", layer {layer_idx} of {num_layers} under {self.allocation!r}"
@@ -350,6 +377,20 @@ class Policy(nn.Module):
                 f"Policy {where}: drop amount {int(drop[row])} is not below the budget {int(budget[row])}"
             )
         return budget
+
+    def _warn_floor(self, prompt_len: torch.Tensor, fraction: torch.Tensor) -> None:
+        """The floor lifted the budgets ``fraction`` ``[n]`` of prompts of ``prompt_len`` ``[n]`` tokens:
+        say so, the first time for this policy."""
+        if self._floor_warned[0]:
+            return
+        self._floor_warned[0] = True
+        row = int(prompt_len.argmin())
+        warnings.warn(
+            f"Policy(budget={self.budget}, min_budget={self.min_budget}): {self.budget} of a {int(prompt_len[row])}-"
+            f"token prompt is {int(fraction[row])} token(s) per head, below the floor, so each head keeps up to "
+            f"{self.min_budget} tokens instead (min_budget=1 turns the floor off; warned once per policy)",
+            UserWarning, stacklevel=3,
+        )
 
     def drop_amount(self, budget: torch.Tensor) -> torch.Tensor:
         """``[B]`` int64 tokens evicted at once when a head exceeds ``budget``."""
@@ -403,10 +444,28 @@ class Policy(nn.Module):
 
     @property
     def reads_sentences(self) -> bool:
-        """Whether a selector ranks the text's sentences (``chunk="sentence"``): the slot store then needs
+        """Whether a selector ranks the text's sentences (``SentenceScores``): the slot store then needs
         each token's sentence end mark, which ``evictlayers.apply(..., tokenizer=)`` gives it."""
         return self.selectors.reads_sentences if self.selectors is not None else False
 
     def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
         """``[B, Q]`` factor on the logits of the scoring softmax, or ``None`` to score with the model's."""
         return self.selectors.score_gain(query_pos, budget) if self.selectors is not None else None
+
+
+def policy_from_dict(data: Any, source: str = "<recipe>") -> Policy:
+    """Build a Policy from a parsed recipe (``compose/recipe_mapping.py``).
+
+    Raises:
+        RecipeError: every problem with the recipe, or the policy's own objection, under ``source``.
+    """
+    modules, settings = policy_arguments(data, source)
+    try:
+        return Policy(*modules, **settings)
+    except (TypeError, ValueError) as error:
+        raise RecipeError(source, [f"policy: {error}"]) from None
+
+
+def policy_to_dict(policy: Policy) -> dict[str, Any]:
+    """The recipe mapping of ``policy`` (inverse of ``policy_from_dict``)."""
+    return policy_mapping(policy)

@@ -88,10 +88,11 @@ class SelectorSet(nn.Module):
                 f"Policy selectors have {len(transforms)} transforms ({transforms}); a step scores with one "
                 "softmax, so at most one selector may change it"
             )
-        if len({m.scope for m in selectors}) > 1:
+        if len({m.aligns_heads for m in selectors}) > 1:
             raise ValueError(
-                "Policy selectors mix scope='head' and scope='layer'; a layer-scoped selector needs every head "
-                "to hold the same tokens, which a head-scoped one breaks: give them all the same scope"
+                "Policy selectors mix a LayerScope refinement with selectors without one; a layer-scoped selector "
+                "needs every head to hold the same tokens, which a head-scoped one breaks: give LayerScope to all "
+                "of them or to none"
             )
 
     # ---- names ---------------------------------------------------------------------------------

@@ -51,15 +51,10 @@ class StepGainSoftmax(ScoreTransform):
     ``Cumulative`` and ``RecentThenCumulative`` for good, and a uniform row gives every older token the
     same ``1/i``. In a streamed run (one token per step from the first, eviction from ``i = k + 1``) the
     attention part of the score would then be flat among the unprotected slots exactly when eviction
-    begins, and a multiplicative ``ValuePrior`` would rank them alone. Measured with gain 0 below the
-    budget on SmolLM2-135M, 2 PG-19 windows of 513 tokens, budget 0.2 (``k = 102``), with
-    ``RecentWindow(32)``, ``Windowed(32)``, this transform and ``ValuePrior(5)``: Spearman correlation
-    between the priority and the prior alone over the unprotected slots 0.998 at the first eviction,
-    0.94 over ``i = 104..111`` (0.13-0.16 with gain 1 below the budget); the first eviction took one of
-    the stream's first four tokens (attention sinks, small ``||v||``) in 46% of the heads; 46% of the
-    heads still held token 0 at the end (89% with gain 1); perplexity 42.48, against 33.13 with gain 1
-    (full cache 31.54, H2O 33.50).
-    ``tests/test_ahakv_stream.py`` pins this.
+    begins, and a multiplicative ``ValuePrior`` would rank them alone: on a streamed PG-19 window the
+    priority then follows the prior almost exactly at the first evictions, which drop the stream's attention
+    sinks (small ``||v||``) first. With the model's own softmax below the budget (gain 1) the attention keeps
+    its say and the sinks stay. ``tests/test_ahakv_stream.py`` pins this.
 
     Deviation: the gain for ``i <= k`` is ours. In the paper's setting (a prompt longer than the budget)
     every scored row has ``i > k``.
