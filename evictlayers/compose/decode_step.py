@@ -1,4 +1,5 @@
-"""One decode step of a slot store as a function of its fixed-size tensors (DESIGN.md "One decode step").
+"""One decode step of a slot store as a function of its fixed-size tensors (docs/architecture.md, "The
+decode step and ``compile=True``").
 
 Everything here has a shape fixed by the store's capacity: the new token goes to the first free slot
 (``kernels/slot_search.py``), eviction picks victims with ``compose/eviction.py`` (one ``argmin``, or a
@@ -10,7 +11,7 @@ not recompile as the sequence grows (gpt-fast style: buffers written in place).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
 import torch
 
@@ -18,14 +19,12 @@ from evictlayers.compose import ranking
 from evictlayers.compose.eviction import choose_evicted, decode_drop, release_evicted
 from evictlayers.compose.positions import rotate_at, rotate_queries, slot_ranks
 from evictlayers.compose.sketching import merge_sketch
+from evictlayers.compose.step_state import DecodeStore
 from evictlayers.core.slots import LAST, batch_head_index
 from evictlayers.kernels import apply_attention_sinks, decode_attention
 from evictlayers.kernels.slot_search import first_free_slot
 from evictlayers.modules.cluster_sketch import CoinTable
 from evictlayers.scoring import Observation, SlotView
-
-if TYPE_CHECKING:
-    from evictlayers.compose.store import SlotStore
 
 # up to this many victims a step, rolling ranks are lowered by comparing every slot with each victim
 # ([B, H, N, most] comparisons); beyond it (Scissorhands' drop of half the budget) one sort re-ranks
@@ -33,7 +32,7 @@ INCREMENTAL_RANKS_MOST = 8
 
 
 def decode_step(
-    store: SlotStore,
+    store: DecodeStore,
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
@@ -146,6 +145,44 @@ def decode_step(
     release_evicted(policy, pos, state, victims, chosen, keys, store.sketch, (keys, values), coins)
     if ranks is not None and most > INCREMENTAL_RANKS_MOST:
         ranks.copy_(slot_ranks(pos))
+    return out
+
+
+def decode_in_order(
+    store: DecodeStore, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, *, scaling: float,
+    softcap: float | None, sliding_window: int | None, sinks: torch.Tensor | None,
+    sentence_start: torch.Tensor | None,
+) -> torch.Tensor:
+    """``decode_step`` for a cache kept in position order (``store.filled``), where nothing is scored or
+    evicted: the token goes to slot ``filled`` and attention reads the slots up to it, every one visible,
+    so the CPU kernel builds no mask (as transformers' SDPA call) and no slot is searched. Eager whether or
+    not the store compiles: the few ops cost less than a compiled graph's call. Every row's token is real.
+
+    Args:
+        query: ``[B, H_q, 1, D]``; key/value: ``[B, H_kv, 1, D]``.
+        sinks: ``[H_q]`` learned attention-sink logits, or ``None``.
+        sentence_start: not read: nothing here ranks sentences.
+
+    Returns:
+        ``[B, H_q, 1, D_v]`` attention output.
+    """
+    slot = torch.full(key.shape[:2], store.filled, dtype=torch.long, device=key.device)
+    store.kv.write(slot, key[:, :, 0], value[:, :, 0], store.seen[:, None].expand_as(slot))
+    # a scatter at a tensor index: indexing at the int would compile one graph per step
+    store.pos.scatter_(2, slot[..., None], store.seen[:, None, None].expand(*slot.shape, 1))
+    query_pos = store.seen
+    store.seen = store.seen + 1
+    store.filled += 1
+    keys, values = store.kv.dense()
+    held = slice(0, store.filled)
+    attention = decode_attention(
+        query[:, :, 0], keys[:, :, held], values[:, :, held], query_pos, store.pos[:, :, held],
+        scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=store.policy.gqa_reduce,
+        need_mass=False, all_visible=True,
+    )
+    out = attention.out[:, :, None]
+    if sinks is not None:
+        out = apply_attention_sinks(out, attention.lse[:, :, None], sinks)
     return out
 
 

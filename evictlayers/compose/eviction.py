@@ -1,5 +1,5 @@
-"""The one eviction rule: each head keeps its best ``budget`` slots (DESIGN.md "One runtime object per
-layer, one eviction path").
+"""The one eviction rule: each head keeps its best ``budget`` slots, whichever step evicts
+(docs/architecture.md, "What one step does", step 4).
 
 A multi-token step (prefill, chunked prefill) and the one-token decode step both end here: the held
 slots are ranked (``compose/ranking.py``: protections ``+inf``, then the selectors' scores) and a head

@@ -1,33 +1,31 @@
 """One layer's runtime object: fixed rectangular slots, per-head token sets, eviction in place.
 
-DESIGN.md "The cache" and "One runtime object per layer": ``keys``/``values`` are ``[B, H_kv, C, D]``,
-``pos`` is ``[B, H_kv, C]`` (original position, ``-1`` = empty), and the policy's state tensors, the
+One object per attention layer holds the layer's whole state (docs/architecture.md, "The slot store"):
+``keys``/``values`` are ``[B, H_kv, C, D]``, ``pos`` is ``[B, H_kv, C]`` (original position, ``-1`` =
+empty; slots are unordered, each head holding its own token set), and the policy's state tensors, the
 rolling ranks, the tokens seen, the budget and the sketch buffers live here too. The store allocates,
 grows, reorders (beam search), evicts and reports its bytes itself; the Hugging Face cache layer only
-hands it tensors. After every step a budgeted store holds at most ``budget`` tokens per head in
-``budget + 1`` slots: the spare slot is where the next decoded token lands, so decoding never moves
-memory (H2O Appendix A).
+hands it tensors. It dispatches each step: a multi-token step to ``compose/prefill_step.py``, a
+one-token step to ``compose/decode_step.py``. After every step a budgeted store holds at most ``budget``
+tokens per head in ``budget + 1`` slots: the spare slot is where the next decoded token lands, so
+decoding never moves memory (H2O Appendix A).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
 
-from evictlayers.compose import ranking
 from evictlayers.compose.cross_layer import CrossLayerBoard
-from evictlayers.compose.decode_step import compiled_decode_step, decode_step
-from evictlayers.compose.eviction import choose_evicted, excess, release_evicted
+from evictlayers.compose.decode_step import compiled_decode_step, decode_in_order, decode_step
 from evictlayers.compose.policy import Policy
-from evictlayers.compose.positions import RotaryTable, rotate_at, rotate_queries, slot_ranks
-from evictlayers.compose.sketching import merge_sketch
+from evictlayers.compose.positions import RotaryTable
+from evictlayers.compose.prefill_step import prefill_step
+from evictlayers.compose.step_state import change_per_slot, sentence_starts, token_positions
 from evictlayers.core import Component
-from evictlayers.core.slots import along_slots, pad_slots
-from evictlayers.kernels import apply_attention_sinks, decode_attention, prefill_attention
+from evictlayers.core.slots import pad_slots
 from evictlayers.modules.cluster_sketch import CoinTable, SketchState
-from evictlayers.scoring import Observation, SlotView
 
 COIN_TABLE_TOKENS = 16  # a decode step's sketch coins are hashed ahead for this many absorbed tokens per head
 
@@ -115,8 +113,8 @@ class SlotStore:
         self.ranks: torch.Tensor | None = None
         self.state: dict[str, torch.Tensor] = {}
         self.seen: torch.Tensor | None = None  # [B] real tokens per row
-        # chunk="sentence": [B] the position of each row's last sentence end so far (-1: none yet); None for
-        # a policy that does not rank sentences, so the steps need not ask the policy again
+        # with a SentenceScores refinement: [B] the position of each row's last sentence end so far (-1: none
+        # yet); None for a policy that does not rank sentences, so the steps need not ask the policy again
         self.last_sentence_end: torch.Tensor | None = None
         self.budget: torch.Tensor | None = None  # [B] tokens per head, None = unbounded
         self.seq_len = 0  # columns fed so far, padding included (what transformers calls tokens seen)
@@ -263,7 +261,9 @@ class SlotStore:
         sinks: torch.Tensor | None = None,
         sentence_ends: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Insert the step's tokens, attend over the slots, score, evict over-budget slots.
+        """Insert the step's tokens, attend over the slots, score, evict over-budget slots: the first step
+        fixes the budget and allocates the sketch, then a one-token step goes to ``_decode`` and any other
+        (a prompt, a chunk of one, the first step whatever its length) to ``prefill_step``.
 
         Args:
             query: ``[B, H_q, Q, D]``; key/value: ``[B, H_kv, Q, D]`` for the ``Q`` new tokens.
@@ -276,7 +276,7 @@ class SlotStore:
         Returns:
             ``[B, H_q, Q, D_v]`` attention output (zero for padding queries).
         """
-        batch, kv_heads, q_len, _ = key.shape
+        batch, _, q_len, _ = key.shape
         if self.policy.positions == "rolling" and self.rotary is None:
             raise ValueError(
                 "Policy(positions='rolling') rotates keys to their rank in the cache, so the slot store needs "
@@ -305,85 +305,20 @@ class SlotStore:
                 "a ClusterSketch cannot be merged with learned attention sinks (the model passes "
                 "s_aux/sinks): use a policy without the sketch for this model"
             )
-        sentence_start = self._sentence_starts(real, sentence_ends)
+        sentence_start = None
+        if self.last_sentence_end is not None:  # a policy that ranks sentences; any other pays nothing here
+            sentence_start, self.last_sentence_end = sentence_starts(
+                token_positions(self.seen, real), sentence_ends, self.last_sentence_end
+            )
         if q_len == 1 and self.kv is not None:
             return self._decode(
                 query, key, value, real, scaling=scaling, softcap=softcap, sliding_window=sliding_window, sinks=sinks,
                 sentence_start=sentence_start,
             )
-        query_pos = self._positions(real)
-        new_pos = query_pos[:, None, :].expand(batch, kv_heads, q_len)
-        first_new = self.capacity  # the step's tokens follow the held slots in the concatenation
-        gapless = self.kv is None or self.filled == first_new  # no empty slot before the step's tokens
-        keys, values, pos, state = self._concatenated(key, value, new_pos)
-
-        # a later multi-token step (chunked prefill) after tokens were absorbed merges the sketch as a
-        # decode step does, with each query's log-sum-exp over the slots it sees
-        merge = self.sketch is not None and bool(self.sketch.absorbed.any())
-        wants_lse = merge or sinks is not None
-        lse = torch.empty(query.shape[:3], dtype=torch.float32, device=query.device) if wants_lse else None
-        attended_query, attended_keys = query, keys
-        if self.policy.positions == "rolling":
-            ranks = slot_ranks(pos)
-            table = self.rotary.rows(keys.shape[2], keys.device, keys.dtype)
-            attended_keys = rotate_at(keys, ranks, table)
-            attended_query = rotate_queries(query, ranks[:, :, first_new:], table)
-        attention = prefill_attention(
-            attended_query, attended_keys, values, query_pos, pos,
-            scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=self.policy.gqa_reduce,
-            score_gain=self.policy.score_gain(query_pos, self.budget), keep_rows=self.policy.rows_needed,
-            lse_out=lse, need_mass=self.policy.reads_mass,
+        return prefill_step(
+            self, query, key, value, real, scaling=scaling, softcap=softcap, sliding_window=sliding_window,
+            sinks=sinks, sentence_start=sentence_start,
         )
-        out = attention.out
-        if merge:
-            out = merge_sketch(
-                self.policy.sketch, self.sketch, query, out, lse, query_pos, scaling=scaling, softcap=softcap
-            )
-        if sinks is not None:
-            out = apply_attention_sinks(out, lse, sinks)
-        n_rows = attention.rows.shape[2]
-        observation = Observation(
-            mass=attention.mass,
-            rows=attention.rows,
-            row_pos=query_pos[:, q_len - n_rows :],
-            values=values,
-            group_size=query.shape[1] // kv_heads,
-            gqa_reduce=self.policy.gqa_reduce,
-            keys=keys,
-            inserted=torch.arange(first_new, first_new + q_len, device=key.device).expand(batch, kv_heads, q_len),
-            sentence_start=sentence_start,
-        )
-        self.seen = self.seen + real.sum(1)
-        self.seq_len += q_len
-        view = SlotView(pos=pos, seen=self.seen, budget=self.budget, keys=keys, window=sliding_window)
-        ranking.observe(self.policy, state, observation, view)
-        if self.kv is None:
-            slots = self.policy.storage.from_dense(keys, values, pos, layer=self.layer_idx)
-        else:
-            slots = self.kv.append(key, value, new_pos)
-
-        def select(cross_layer: torch.Tensor | None = None) -> None:
-            selected = view if cross_layer is None else dataclasses.replace(view, cross_layer=cross_layer)
-            ranking.prepare(self.policy, state, selected)
-            self._keep_best(slots, pos, state, selected)
-            if self.policy.positions == "rolling":
-                self.ranks = slot_ranks(self.pos)
-            self.filled = self.seq_len if gapless and self._in_order(key, real) else None
-
-        if self.board is None:
-            select()
-            return out
-        self.board.begin(self.layer_idx)
-        if self.ranking_layer:
-            self.board.publish(self.layer_idx, attention.rows[:, :, -1], pos, self.seen)
-        if self.budget is None or self.policy.cross_layer is None:
-            select()
-        elif self.board.complete:
-            select(self.board.scores)
-        else:  # hold the whole step, as a full cache, until the last ranking layer has run
-            self.kv, self.pos, self.state, self.filled = slots, pos, state, None
-            self.board.wait(self.layer_idx, select)
-        return out
 
     def _layer_budget(self, prompt_len: torch.Tensor, sliding_window: int | None) -> torch.Tensor | None:
         """``[B]`` tokens per head: the policy's budget, capped at ``sliding_window - 1`` on a sliding
@@ -398,47 +333,17 @@ class SlotStore:
             budget = cap if budget is None else torch.minimum(budget, cap)
         return budget
 
-    def _positions(self, real: torch.Tensor) -> torch.Tensor:
-        """``[B, Q]`` int64 original position of each of the step's tokens, ``-1`` for padding (``real``
-        ``[B, Q]``); read before ``seen`` counts the step."""
-        return torch.where(real, self.seen[:, None] + real.long().cumsum(1) - 1, -1)
-
-    def _sentence_starts(self, real: torch.Tensor, sentence_ends: torch.Tensor | None) -> torch.Tensor | None:
-        """``[B, Q]`` int64: where each of the step's tokens' sentence starts (the position after the last
-        sentence end before it, 0 for the first sentence), for a policy that ranks sentences; ``None`` for
-        any other, which pay nothing here. Padding neither ends nor starts a sentence."""
-        if self.last_sentence_end is None:
-            return None
-        query_pos = self._positions(real)
-        if sentence_ends is None:
-            raise ValueError(
-                "the policy ranks sentences (HeavyHitterSelector(chunk='sentence')), so each step needs its "
-                "tokens' sentence ends: apply it with evictlayers.apply(model, policy, tokenizer=...) and feed "
-                "input_ids (or pass SlotStore.step(..., sentence_ends=[B, Q] bool))"
-            )
-        if sentence_ends.shape != query_pos.shape or sentence_ends.dtype != torch.bool:
-            raise ValueError(
-                f"sentence_ends must be a [B, Q] = {list(query_pos.shape)} bool tensor, got "
-                f"{list(sentence_ends.shape)} {sentence_ends.dtype}"
-            )
-        # a padding token's position is -1, the same as "no end", so padding never ends a sentence
-        ends = torch.where(sentence_ends.to(query_pos.device), query_pos, -1)
-        through = torch.maximum(ends.cummax(1).values, self.last_sentence_end[:, None])  # last end at or before
-        before = torch.cat([self.last_sentence_end[:, None], through[:, :-1]], dim=1)  # strictly before
-        self.last_sentence_end = through[:, -1]
-        return before + 1
-
     def decodes_in_place(self) -> bool:
         """Whether the next one-token step writes into the slot buffers as they are, through ops that may be
         compiled on this device, so that a whole model's decode forward can be one compiled graph
         (``hf/compiled_forward.py``). The buffers exist (a first step allocated them), and either a budget or
         window bounds the layer (its buffers never grow: ``decode_step``) or an unbounded layer keeps its
-        slots in position order (``_decode_in_order``) with a free slot for the token (``make_room`` grows
+        slots in position order (``decode_in_order``) with a free slot for the token (``make_room`` grows
         it first). Not with a ClusterSketch: its coin table is remade every few steps (``_step_coins``), a
         branch that would compile the whole model twice more."""
         if self.kv is None or self.sketch is not None:
             return False
-        if self.filled is not None:  # the in-order path runs on CPU only (``_in_order``)
+        if self.filled is not None:  # the in-order path runs on CPU only (``prefill_step``'s ``_in_order``)
             return self.filled < self.capacity
         return self.budget is not None and (self.pos.device.type != "cuda" or self.kv.compiles_on_cuda)
 
@@ -452,12 +357,16 @@ class SlotStore:
             self._grow(growth_slots(self.capacity))
 
     def _decode(self, query, key, value, real, **attention_kwargs) -> torch.Tensor:
-        """One token per row into the fixed slot buffers (``decode_step``, compiled when asked)."""
+        """One token per row into the fixed slot buffers (``decode_step``, compiled when asked;
+        ``decode_in_order`` for a cache kept in position order)."""
         self.make_room()
         in_order = self.filled is not None and (self.unpadded_step or bool(real.all()))
-        # what else _in_order asks cannot change after the first step: only padding can end the order here
+        # what else ``prefill_step`` asks to keep the order (``_in_order``) cannot change after the first
+        # step: only padding can end the order here
         if in_order:
-            return self._decode_in_order(query, key, value, **attention_kwargs)
+            out = decode_in_order(self, query, key, value, **attention_kwargs)
+            self.seq_len += 1
+            return out
         self.filled = None
         if self.compile and key.is_cuda and not self.kv.compiles_on_cuda:
             raise CompileError(
@@ -478,45 +387,6 @@ class SlotStore:
                 f"a component needs something torch.compile(fullgraph=True) cannot trace ({error}). Run it "
                 "with compile=False, or make the component's per-step code fixed-shape"
             ) from error
-        self.seq_len += 1
-        return out
-
-    def _in_order(self, key: torch.Tensor, real: torch.Tensor) -> bool:
-        """Whether this step keeps the slots in position order with no gap (``filled``): a full cache (a
-        sliding window or a sketch comes with a budget) of dense keys on CPU, no rolling positions, nothing
-        that scores, and no padding in the step (one host read of ``real``, free on CPU)."""
-        policy = self.policy
-        return (
-            self.budget is None and key.device.type == "cpu" and policy.positions != "rolling"
-            and not policy.state_specs and not policy.head_state_specs and self.kv.free_dense and bool(real.all())
-        )
-
-    def _decode_in_order(
-        self, query, key, value, *, scaling: float, softcap: float | None, sliding_window: int | None,
-        sinks: torch.Tensor | None, sentence_start: torch.Tensor | None,
-    ) -> torch.Tensor:
-        """``decode_step`` for a cache kept in position order (``filled``), where nothing is scored or
-        evicted: the token goes to slot ``filled`` and attention reads the slots up to it, every one
-        visible, so the CPU kernel builds no mask (as transformers' SDPA call) and no slot is searched.
-        Eager whether or not the store compiles: the few ops cost less than a compiled graph's call.
-        ``sentence_start`` is not read: nothing here ranks sentences."""
-        slot = torch.full(key.shape[:2], self.filled, dtype=torch.long, device=key.device)
-        self.kv.write(slot, key[:, :, 0], value[:, :, 0], self.seen[:, None].expand_as(slot))
-        # a scatter at a tensor index: indexing at the int would compile one graph per step
-        self.pos.scatter_(2, slot[..., None], self.seen[:, None, None].expand(*slot.shape, 1))
-        query_pos = self.seen
-        self.seen = self.seen + 1
-        self.filled += 1
-        keys, values = self.kv.dense()
-        held = slice(0, self.filled)
-        attention = decode_attention(
-            query[:, :, 0], keys[:, :, held], values[:, :, held], query_pos, self.pos[:, :, held],
-            scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=self.policy.gqa_reduce,
-            need_mass=False, all_visible=True,
-        )
-        out = attention.out[:, :, None]
-        if sinks is not None:
-            out = apply_attention_sinks(out, attention.lse[:, :, None], sinks)
         self.seq_len += 1
         return out
 
@@ -553,80 +423,9 @@ class SlotStore:
 
     # ---- slot bookkeeping ----------------------------------------------------------------------
 
-    def _new_state(self, batch: int, heads: int, slots: int, device: torch.device) -> dict[str, torch.Tensor]:
-        return {
-            name: torch.zeros(batch, heads, slots, *shape, dtype=torch.float32, device=device)
-            for name, shape in self.policy.state_specs.items()
-        }
-
-    def _head_state(self, key: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The per-head state: held over from earlier steps, or zeros at the first."""
-        batch, heads, _, head_dim = key.shape
-        return {
-            name: self.state[name] if name in self.state else torch.zeros(
-                batch, heads, *(head_dim if size == "head_dim" else size for size in shape),
-                dtype=torch.float32, device=key.device,
-            )
-            for name, shape in self.policy.head_state_specs.items()
-        }
-
-    def _concatenated(self, key, value, new_pos):
-        batch, heads, q_len, _ = key.shape
-        fresh = self._new_state(batch, heads, q_len, key.device)
-        head_state = self._head_state(key)
-        if self.kv is None:
-            return key, value, new_pos.clone(), {**fresh, **head_state}
-        keys, values = self.kv.dense()
-        return (
-            torch.cat([keys, key], dim=2),
-            torch.cat([values, value], dim=2),
-            torch.cat([self.pos, new_pos], dim=2),
-            {**{name: torch.cat([self.state[name], fresh[name]], dim=2) for name in fresh}, **head_state},
-        )
-
-    def _per_slot(self, state: dict[str, torch.Tensor], change) -> dict[str, torch.Tensor]:
-        """``state`` with ``change`` applied to the per-slot tensors; per-head ones kept as they are."""
-        slotted = self.policy.state_specs
-        return {name: change(t) if name in slotted else t for name, t in state.items()}
-
     def _grow(self, extra: int) -> None:
         self.kv.grow(extra)
         self.pos = pad_slots(self.pos, extra, -1)
         if self.ranks is not None:
             self.ranks = pad_slots(self.ranks, extra, 0)
-        self.state = self._per_slot(self.state, lambda t: pad_slots(t, extra, 0.0))
-
-    def _keep_best(self, slots, pos, state, view: SlotView) -> None:
-        """After a multi-token step: each head keeps its best ``budget`` slots (``compose/eviction.py``, the
-        rule a decode step evicts by), compacted into a ``budget + 1`` store in slot order.
-
-        ``slots`` is the storage holding the old slots followed by the step's tokens (``pos`` order)."""
-        if self.budget is None:
-            self.kv, self.pos, self.state = slots, pos, state
-            return
-        keep = int(self.budget.max())
-        self.most = min(int(self.policy.drop_amount(self.budget).max()), keep + 1)
-        if self.bound == "window":  # one token slides out of the window a step: drop it, not a batch of m
-            self.most = 1
-        drop = excess(view.valid.sum(-1), self.budget)  # [B, H]
-        width = int(drop.max())
-        if width:
-            victims, chosen = choose_evicted(ranking.priority(self.policy, state, view), pos, drop, width)
-            if self.sketch is not None:  # what is dropped is absorbed (after the step's own exact attention)
-                self.invalidate_coins()
-            # pos is this step's concatenation, so freeing its slots in place touches no held tensor
-            release_evicted(
-                self.policy, pos, state, victims, chosen, view.keys, self.sketch,
-                slots.dense() if self.sketch is not None else None,
-            )
-        # the held slots first, in slot order; the capacity is budget + 1 whatever the step's width
-        order = (pos < 0).to(torch.int8).argsort(dim=-1, stable=True)[..., : min(keep, pos.shape[2])]
-        spare = keep + 1 - order.shape[-1]
-        self.pos = pad_slots(pos.gather(2, order), spare, -1)
-        self.kv = slots.gather(order)
-        self.kv.grow(spare)
-        self.state = self._per_slot(state, lambda t: pad_slots(t.gather(2, along_slots(order, t)), spare, 0.0))
-        keys = self.keys
-        ranking.settle(
-            self.policy, self.state, SlotView(pos=self.pos, seen=self.seen, budget=self.budget, keys=keys, window=view.window)
-        )
+        self.state = change_per_slot(self.state, self.policy.state_specs, lambda t: pad_slots(t, extra, 0.0))

@@ -16,7 +16,9 @@ and QueryStreamAttn (lines 28-30) estimates ``exp(K q)^T V`` by
 ``z = sum_{(k,v) in M} mu / (s ||v||^2) exp(<q,k>) v`` and the partition function by
 ``tau = sum_i n_i / t sum_{k in S_i} exp(<q,k>)``. Here the sketch only holds the evicted tokens;
 the retained slots are attended exactly and both parts are merged through numerators and normalisers
-(``sketch_terms`` + ``merge_with_exact``), the split DESIGN.md describes.
+(``sketch_terms`` + ``merge_with_exact``): the exact attention's sums are added to the sketch's ``z``
+and ``tau``, both scaled by one common maximum, so the kernels that attend over the slots need not know
+the sketch exists (docs/architecture.md, "ClusterGen in the step").
 
 Deviations from the paper, each for the fixed shapes a compiled decode step needs:
 

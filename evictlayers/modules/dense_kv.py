@@ -1,7 +1,7 @@
 """The default K/V storage: keys and values held as they come, in the model dtype.
 
 A storage owns *how* a layer's slots hold their keys and values; the slot store owns *where* a token
-lives (DESIGN.md "Storage and what eviction does with a token"). Every storage builds slot objects with
+lives (docs/architecture.md, "Storage"). Every storage builds slot objects with
 the same interface (``write``, ``attend``, ``dense``, ``append``, ``gather``, ``grow``,
 ``index_select_batch``, ``nbytes``, ``free_dense``: whether ``dense`` costs nothing, and ``compiles_on_cuda``:
 whether its decode step may run under ``torch.compile`` on a GPU), so the store,

@@ -3,7 +3,7 @@
 Layout after KIVI (Liu et al., 2024): asymmetric group-wise codes, values grouped per token (``group``
 channels share a scale and zero point), the newest ``residual`` tokens kept dense. H2O (Table 6) and
 Scissorhands (Table 4) report that 4-bit storage composes with eviction; this is that storage, shaped
-for the slot store (DESIGN.md "Storage and what eviction does with a token"): slots are unordered, each
+for the slot store (docs/architecture.md, "Storage"): slots are unordered, each
 KV head frees its own, and the next token overwrites a freed slot in place.
 
 Keys: a deliberate deviation from KIVI. KIVI groups keys per channel across ``group`` tokens, so a
