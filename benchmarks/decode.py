@@ -9,7 +9,12 @@ Configurations (baseline: the unmodified model on transformers' default path, SD
   directly);
 - ``el-full``, ``el-h2o``, ``el-h2o-int4`` (``evictlayers/recipes/full.yaml``, ``h2o.yaml`` at 20%,
   ``h2o_int4.yaml``: the same on int4 codes): evictlayers, eager and ``-compiled``
-  (``evictlayers.apply(..., compile=True)``);
+  (``evictlayers.apply(..., compile=True)``, the model's linear layers left to BLAS): the eviction comparison;
+- ``el-full-compiled+cpu_linear``, ``el-h2o-compiled+cpu_linear``, ``el-h2o-int4-compiled+cpu_linear``: the same with
+  ``evictlayers.apply(..., compile=True, cpu_linear=True)``, every weight product of a step in the C++ op
+  ``evictlayers::few_rows_linear``, a speedup of the products that is not eviction's; ``vs_without_cpu_linear``
+  is the row's tokens/s over the same configuration without the op. Skipped, with the reason, where the op
+  cannot run (below the ``avx512`` instruction-set level, or where it cannot be built);
 - only when ``--configs`` names them (each compiles for minutes): ``hf-static-max-autotune``, the static cache's
   compiled forward with inductor's ``max_autotune`` and the weights frozen into the graph (``freezing``),
   and ``el-full-max-autotune``, ``el-h2o-max-autotune``, ``el-h2o-int4-max-autotune``
@@ -27,9 +32,10 @@ Beside it:
   measured in the same run on the same threads (``read_bandwidth``), and ``of_limit``, the share of it
   the row reaches;
 - ``weights_matmul_ms``: what the model's own weight products take for one step of the batch, measured in
-  the same run on the same threads (``weights_matmul_seconds``), and ``weights_matmul_share``, their share
-  of the row's step: a floor under every configuration that the bytes alone do not show (at batch 8 on a
-  CPU the products can be bound by the multiply-adds rather than by reading the weights);
+  the same run on the same threads (``weights_matmul_seconds``: BLAS's products, also beside a ``+cpu_linear``
+  row), and ``weights_matmul_share``, their share of the row's step: a floor under every configuration that
+  the bytes alone do not show (at batch 8 on a CPU the products can be bound by the multiply-adds rather than
+  by reading the weights);
 - ``vs_fastest_hf``: tokens/s over the fastest transformers configuration of the same prompt and batch
   in the run (``hf-*`` rows), what a user would otherwise run at its best;
 - with ``--interleave``, ``vs_hf_sdpa_beside``: the row's blocks alternate with blocks of ``hf-sdpa``
@@ -62,6 +68,7 @@ from benchmarks.common import (
     skipped,
     timed_blocks,
 )
+from benchmarks.cpu_linear import skip_reason as op_skip_reason
 from benchmarks.loop import (
     DecodeLoop,
     Prefilled,
@@ -111,18 +118,23 @@ CONFIGS = [
     ("hf-static-max-autotune", "hf", "max-autotune"),
     ("el-full", "full", False),
     ("el-full-compiled", "full", True),
+    ("el-full-compiled+cpu_linear", "full", True),
     ("el-full-max-autotune", "full", "max-autotune"),
     ("el-h2o", "h2o", False),
     ("el-h2o-compiled", "h2o", True),
+    ("el-h2o-compiled+cpu_linear", "h2o", True),
     ("el-h2o-max-autotune", "h2o", "max-autotune"),
     ("el-h2o-int4", "h2o_int4", False),
     ("el-h2o-int4-compiled", "h2o_int4", True),
+    ("el-h2o-int4-compiled+cpu_linear", "h2o_int4", True),
     ("el-h2o-int4-max-autotune", "h2o_int4", "max-autotune"),
 ]
 # the first compile of a max-autotune graph takes minutes (about six for SmolLM2's whole forward at 8k tokens,
 # batch 8, on two cores): these run only when --configs names them
 OPT_IN = {config for config, _, compile in CONFIGS if compile == "max-autotune"}
 COMPILE = {config: compile for config, _, compile in CONFIGS}
+# the configurations run with evictlayers.apply(cpu_linear=True), each with the one it is compared to (without the op)
+CPU_LINEAR = {config: config.removesuffix("+cpu_linear") for config, _, _ in CONFIGS if config.endswith("+cpu_linear")}
 FAMILY = {config: family for config, family, _ in CONFIGS}
 # fraction of the prompt each family keeps (estimate only)
 BUDGET = {"hf": 1.0, "full": 1.0, "h2o": 0.2, "h2o_int4": 0.2}
@@ -130,6 +142,15 @@ BUDGET = {"hf": 1.0, "full": 1.0, "h2o": 0.2, "h2o_int4": 0.2}
 
 def skip_reason(context: Context) -> str | None:
     return None
+
+
+def cpu_linear_unavailable(context: Context) -> str | None:
+    """Why a ``+cpu_linear`` configuration cannot run here: the model is off the CPU, or the op cannot run (the
+    ``cpu_linear`` benchmark's reason: no loops at this instruction-set level, or no build); ``None`` where it can."""
+    model = context.subject.model
+    if model.device.type != "cpu":
+        return f"evictlayers.apply(cpu_linear=True) runs a CPU op; the model is on {model.device}"
+    return op_skip_reason(context)
 
 
 def read_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
@@ -193,8 +214,8 @@ def prepare(context: Context, config: str, source: Prefilled, batch: int, plan: 
     else:
         import evictlayers as el
 
-        compile = COMPILE[config]
-        enter, forward = lambda: el.apply(model, source.policy, compile=compile), model
+        compile, cpu_linear = COMPILE[config], config in CPU_LINEAR
+        enter, forward = lambda: el.apply(model, source.policy, compile=compile, cpu_linear=cpu_linear), model
         cache = tiled(source.cache, batch, keep=[source.policy])
         for layer in cache.layers:
             # the shared prefill ran eagerly (prefill always does); decode the copy as configured
@@ -245,12 +266,17 @@ def cases(context: Context) -> list[Case]:
     fastest_hf: dict[tuple[int, int], float] = {}  # the hf family is measured first for every prompt
     bandwidth: list[float] = []  # measured once, at the first measurement (after the model is loaded)
     weights_matmul: dict[int, float] = {}  # per batch, measured at its first measurement
+    medians: dict[tuple[str, int, int], float] = {}  # tokens/s per (config, prompt, batch): vs_without_cpu_linear
     out = []
 
     def measure(config: str, family: str, prompt: int, batch: int) -> dict:
         params = {"prompt": prompt, "batch": batch}
         if COMPILE[config] and not settings.compile:
             return skipped(config, params, "--no-compile")
+        if CPU_LINEAR.keys() & {config, beside}:  # the row, or the one it is timed beside, asks for the op
+            reason = cpu_linear_unavailable(context)
+            if reason is not None:
+                return skipped(config, params, reason)
         source = memo.get(family, prompt)
         pairs = None
         if beside and config != beside:
@@ -275,7 +301,7 @@ def cases(context: Context) -> list[Case]:
         if batch not in weights_matmul:
             weights_matmul[batch] = weights_matmul_seconds(context.subject.model, batch)
         tokens_per_s = [batch / s for s in seconds]
-        median = statistics.median(tokens_per_s)
+        median = medians[(config, prompt, batch)] = statistics.median(tokens_per_s)
         limit = batch * bandwidth[0] / step_bytes
         if family == "hf":
             fastest_hf[(prompt, batch)] = max(fastest_hf.get((prompt, batch), 0.0), median)
@@ -287,6 +313,9 @@ def cases(context: Context) -> list[Case]:
             "weights_matmul_ms": weights_matmul[batch] * 1e3,
             "weights_matmul_share": weights_matmul[batch] * median / batch,
         }
+        if config in CPU_LINEAR:
+            without = medians.get((CPU_LINEAR[config], prompt, batch))
+            info["vs_without_cpu_linear"] = median / without if without is not None else None
         if pairs is not None:
             info[f"vs_{beside.replace('-', '_')}_beside"] = statistics.median(pairs)
             info["beside_range"] = f"{min(pairs):.2f}-{max(pairs):.2f}"

@@ -52,7 +52,7 @@ def fmt(value) -> str:
 def line(benchmark: str, r: dict) -> str:
     """One finished measurement, for the console."""
     params = " ".join(f"{k}={v}" for k, v in r["params"].items())
-    head = f"{benchmark:8s} {r['config']:20s} {params:24s}"
+    head = f"{benchmark:8s} {r['config']:26s} {params:24s}"  # wide enough for el-h2o-compiled+cpu_linear
     if r["status"] != "ok":
         return f"{head} {r['status']}: {r.get('reason', '')}"
     parts = []

@@ -8,6 +8,10 @@ with the unmodified model and once per recipe. It prints accuracy, the KV bytes 
 holds after generation, prefill time, and decode throughput (the steps after the first new token)
 measured in this run, with a progress bar per policy.
 
+The demo shows eviction: it never asks ``evictlayers.apply`` for the weight-product op (``cpu_linear=True``), so
+with ``--compile`` too "decode vs unmodified" holds none of that op's speedup (``benchmarks/decode.py`` times it
+apart, in its ``+cpu_linear`` rows).
+
 Speed on a shared machine: the unmodified model is timed again right before every recipe, and each
 recipe's "decode vs unmodified" divides by the unmodified run beside it, not by one measured at the
 start (a job that held the CPU for part of the run would otherwise skew every ratio). The unmodified
@@ -154,8 +158,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="new tokens per prompt; all but the first are timed decode steps (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", nargs="?", const=True, default=False, choices=["max-autotune"],
-                        help="compile each policy's decode steps (evictlayers.apply(compile=...)); "
-                             "'--compile max-autotune' also freezes the weights into the graph")
+                        help="compile each policy's decode steps (evictlayers.apply(compile=...), without "
+                             "cpu_linear: the linear layers left as they are); '--compile max-autotune' also "
+                             "freezes the weights into the graph")
     parser.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if args.max_new_tokens < 2:

@@ -23,7 +23,7 @@ POLICIES = {
     "h2o": lambda: el.Policy(el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=10),
     # keys held un-rotated and rotated to their rank inside the step
     "streaming_llm-rolling": lambda: el.load_recipe("streaming_llm").replace(budget=10, positions="rolling"),
-    "tova_keydiff_chunked": lambda: el.load_recipe("tova_keydiff_chunked").replace(budget=0.5),
+    "tova_keydiff_chunked": lambda: el.load_recipe("tova_keydiff_chunked").replace(budget=0.5, min_budget=1),
     "h2o_int4": lambda: el.Policy(
         el.RecentWindow(0.5), el.HeavyHitterSelector(el.Cumulative()), budget=12,
         storage=el.QuantizedKV(bits=4, group=8, residual=4),
@@ -165,8 +165,13 @@ def test_the_patch_puts_forward_back_as_it_was():
     hooked = model.model.layers[0].mlp.up_proj
     hooked.forward = hook = lambda input: torch.nn.functional.linear(input, hooked.weight)  # a hook's forward
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear) and m is not hooked]
-    with el.apply(model, policy, compile=True):
+    with el.apply(model, policy, compile=True) as run:  # the linear layers untouched unless asked
         assert isinstance(model.forward, CompiledDecodeForward)
+        assert not run.cpu_linear and not any("forward" in m.__dict__ for m in linears)
+        assert hooked.forward is hook
+    assert "forward" not in model.__dict__ and model.forward.__func__ is type(model).forward
+    with el.apply(model, policy, compile=True, cpu_linear=True) as run:
+        assert run.cpu_linear == linear_cpu.available()
         assert all("forward" in m.__dict__ for m in linears) == linear_cpu.available()
         assert hooked.forward is hook
     assert "forward" not in model.__dict__ and model.forward.__func__ is type(model).forward
@@ -235,6 +240,35 @@ def test_an_unknown_compile_mode_is_refused_with_the_allowed_ones(compile):
         el.apply(build("llama"), POLICIES["h2o"](), compile=compile)
 
 
+@pytest.mark.parametrize("compile", [False, "max-autotune"])
+def test_cpu_linear_without_compile_true_is_refused_naming_what_is_allowed(compile):
+    model = build("llama")
+    with pytest.raises(ValueError, match=rf"cpu_linear=True, compile={compile!r}\).*use it with compile=True"):
+        el.apply(model, POLICIES["h2o"](), compile=compile, cpu_linear=True)
+    assert getattr(model, "_evictlayers_run", None) is None
+
+
+def test_cpu_linear_on_a_model_off_the_cpu_is_refused_and_a_non_bool_is_a_type_error():
+    model = build("llama").to("meta")
+    with pytest.raises(ValueError, match=r"the model is on meta.*cpu_linear=True on a CPU model only"):
+        el.apply(model, POLICIES["h2o"](), compile=True, cpu_linear=True)
+    with pytest.raises(TypeError, match=r"cpu_linear='yes'\): expected True or False"):
+        el.apply(build("llama"), POLICIES["h2o"](), compile=True, cpu_linear="yes")
+
+
+def test_cpu_linear_where_the_op_cannot_run_warns_and_touches_no_linear(monkeypatch):
+    # as where the op failed to build, or below AVX-512 (capping the instruction set, EVICTLAYERS_CPU_ISA=avx2,
+    # would rebuild every other kernel of the patch for that level first)
+    monkeypatch.setattr(linear_cpu, "available", lambda: False)
+    model = build("llama")
+    why = r"(could not be built|has loops only at the avx512 instruction-set level and above; this run's: \w+)"
+    with pytest.warns(UserWarning, match=rf"cpu_linear=True\): the few-rows op {why}.*same logits"):
+        run = el.apply(model, POLICIES["h2o"](), compile=True, cpu_linear=True)
+    with run:
+        assert not run.cpu_linear
+        assert not any("forward" in m.__dict__ for m in model.modules() if isinstance(m, torch.nn.Linear))
+
+
 def recorded_graphs(monkeypatch) -> list[list]:
     """From here on (dynamo reset), each graph ``torch.compile`` traces runs as traced, and its call targets are
     appended to the returned list."""
@@ -251,9 +285,39 @@ def recorded_graphs(monkeypatch) -> list[list]:
     return graphs
 
 
+def linear_calls(targets: list) -> int:
+    """How many of a graph's call targets are BLAS's linear (``F.linear``, as dynamo records it)."""
+    return sum(target in (torch.nn.functional.linear, torch._C._nn.linear) for target in targets)
+
+
+def test_by_default_the_graph_computes_every_weight_product_with_blas_even_after_a_graph_with_the_op(monkeypatch):
+    """``compile=True`` alone leaves the linear layers as they are: the graph holds ``F.linear`` for each and no
+    ``few_rows_linear``, also when a graph traced under ``cpu_linear=True`` sits in dynamo's cache (no reset
+    between the two patches): the guards on the layers' forwards make the second patch trace its own."""
+    model, policy = build("llama"), POLICIES["h2o"]()
+    graphs = recorded_graphs(monkeypatch)
+    ids, mask = left_padded([30, 24])
+    linears = sum(isinstance(module, torch.nn.Linear) for module in model.modules())
+    with torch.no_grad():
+        if linear_cpu.available():
+            with el.apply(model, policy, compile=True, cpu_linear=True):
+                greedy(model, ids, mask, 4)
+            assert graphs and all(targets.count(linear_cpu.few_rows_linear) == linears for targets in graphs)
+        with_op = len(graphs)
+        with el.apply(model, policy, compile=True):
+            compiled = greedy(model, ids, mask, 4)
+        with el.apply(model, policy):
+            eager = greedy(model, ids, mask, 4)
+    assert len(graphs) > with_op
+    for targets in graphs[with_op:]:
+        assert linear_cpu.few_rows_linear not in targets and linear_calls(targets) == linears
+    torch.testing.assert_close(torch.stack(compiled.logits), torch.stack(eager.logits), rtol=1e-4, atol=1e-4)
+    assert torch.equal(compiled.sequences, eager.sequences)
+
+
 @pytest.mark.skipif(not linear_cpu.available(), reason="the AVX-512 linear kernel is not built here")
 def test_the_graph_computes_every_weight_product_with_the_few_rows_op_and_reads_the_weights_in_place(monkeypatch):
-    # compile=True does not freeze the weights: few_rows_linear reads each where it stands, so a weight changed
+    # cpu_linear=True does not freeze the weights: few_rows_linear reads each where it stands, so a weight changed
     # between steps is read as changed, in the same graph
     model, policy = build("llama"), POLICIES["h2o"]()
     graphs = recorded_graphs(monkeypatch)
@@ -262,7 +326,7 @@ def test_the_graph_computes_every_weight_product_with_the_few_rows_op_and_reads_
     original = weight.detach().clone()
     ids, mask = left_padded([30, 24])
     with torch.no_grad():
-        with el.apply(model, policy, compile=True):
+        with el.apply(model, policy, compile=True, cpu_linear=True):
             before = greedy(model, ids, mask, 6)
             weight.mul_(-2.0)
             changed = greedy(model, ids, mask, 6)
@@ -273,8 +337,7 @@ def test_the_graph_computes_every_weight_product_with_the_few_rows_op_and_reads_
     # the first step's graph holds its step count as a constant, the second is generic over it; none after
     assert 1 <= len(graphs) <= 2
     for targets in graphs:
-        assert targets.count(linear_cpu.few_rows_linear) == linears
-        assert torch.nn.functional.linear not in targets and torch._C._nn.linear not in targets
+        assert targets.count(linear_cpu.few_rows_linear) == linears and linear_calls(targets) == 0
     torch.testing.assert_close(torch.stack(changed.logits), torch.stack(eager_changed.logits), rtol=1e-4, atol=1e-4)
     assert not torch.allclose(torch.stack(before.logits), torch.stack(changed.logits))
 
@@ -288,7 +351,7 @@ def test_a_bfloat16_model_computes_its_weight_products_with_the_few_rows_op(monk
     graphs = recorded_graphs(monkeypatch)
     ids, mask = left_padded([30, 24])
     with torch.no_grad():
-        with el.apply(model, policy, compile=True):
+        with el.apply(model, policy, compile=True, cpu_linear=True):
             compiled = greedy(model, ids, mask, 3)
         with el.apply(model, policy):
             eager = greedy(model, ids, mask, 3)

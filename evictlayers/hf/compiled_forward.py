@@ -16,6 +16,11 @@ prompt or step, or on CUDA: its buffers may grow inside the step) or of one that
 hybrid model's recurrent layers (transformers' own code, not evictlayers'), and a storage that does not
 compile on CUDA (the store refuses it with ``CompileError``).
 
+The model's linear layers are traced as they stand: ``F.linear`` (BLAS on CPU), or under
+``apply(compile=True, cpu_linear=True)`` the forwards ``EvictionRun`` gave them, which call
+``evictlayers::few_rows_linear``. Dynamo guards on those forwards, so a graph traced with them never serves a
+forward without them, nor the reverse.
+
 ``apply(compile="max-autotune")`` traces the same forward with the weights frozen into the graph and its
 products' kernels chosen by timing (``MAX_AUTOTUNE``): on a CPU, inductor's C++ GEMM template with the weights
 packed for the batch's few rows, where BLAS runs a matrix of one to eight rows far below its rate.

@@ -2,15 +2,16 @@
 
 Module replacement, Liger-style: each attention module's class is swapped for a subclass that routes
 attention through the slot store, every config's attention implementation points at the registered
-evictlayers function, and a forward pre-hook gives each forward an ``EvictionCache``. With ``compile=True`` on
-a CPU model, each ``nn.Linear`` also gets a forward that runs a step's few-row products with
-``kernels/linear_cpu.py``'s op. Exiting restores classes, configs, hooks and forwards; parameters and
-``state_dict`` keys are never touched.
+evictlayers function, and a forward pre-hook gives each forward an ``EvictionCache``. Nothing else of the
+model changes unless asked: ``cpu_linear=True`` (with ``compile=True``, on a CPU model) also gives each
+``nn.Linear`` a forward that runs a step's few-row products with ``kernels/linear_cpu.py``'s op. Exiting
+restores classes, configs, hooks and forwards; parameters and ``state_dict`` keys are never touched.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from evictlayers.hf.rotary import model_rotary_tables
 from evictlayers.hf.sentences import sentence_end_table
 from evictlayers.hf.support import attention_implementation, model_support
 from evictlayers.kernels import linear_cpu
+from evictlayers.kernels.cpu_extension import at_least, describe_level
 from evictlayers.kernels.decode import slots_cpu
 from evictlayers.kernels.prefill import mass_cpu
 
@@ -42,20 +44,46 @@ def _evicting_class(cls: type) -> type:
 
 
 class EvictionRun:
-    """The patched state of one model; ``with apply(model, policy) as run`` yields it."""
+    """The patched state of one model; ``with apply(model, policy) as run`` yields it. ``cpu_linear``: whether its
+    linear layers run ``kernels/linear_cpu.py``'s op (asked for, and available here)."""
 
-    def __init__(self, model: nn.Module, policy: Policy, compile: bool | str = False, tokenizer=None):
+    def __init__(self, model: nn.Module, policy: Policy, compile: bool | str = False, tokenizer=None,
+                 cpu_linear: bool = False):
         versions.check_transformers_version()
         if not isinstance(policy, Policy):
             raise TypeError(f"evictlayers.apply expects a Policy, got {type(policy).__name__}")
         if not (isinstance(compile, bool) or compile == "max-autotune"):
             raise ValueError(f"evictlayers.apply(compile={compile!r}): expected False, True or 'max-autotune'")
+        if not isinstance(cpu_linear, bool):
+            raise TypeError(f"evictlayers.apply(cpu_linear={cpu_linear!r}): expected True or False")
+        if cpu_linear and compile is not True:
+            raise ValueError(
+                f"evictlayers.apply(cpu_linear=True, compile={compile!r}): the few-rows op serves the weight "
+                "products of the compiled decode forward; use it with compile=True (compile='max-autotune' has "
+                "inductor choose its own kernels for the weights it freezes)"
+            )
+        if cpu_linear and model.device.type != "cpu":
+            raise ValueError(
+                f"evictlayers.apply(cpu_linear=True): the model is on {model.device}, and the few-rows op is a CPU "
+                "op; use cpu_linear=True on a CPU model only"
+            )
         if getattr(model, "_evictlayers_run", None) is not None:
             raise RuntimeError(
                 f"evictlayers.apply was already applied to this {type(model).__name__}; exit the first "
                 "`with` block (or call run.remove()) before applying another policy"
             )
         self.model, self.policy, self.compile = model, policy, compile
+        # built (or loaded) here, not inside the first step someone times; where it cannot run, the linear layers
+        # keep BLAS, which computes the same logits
+        self.cpu_linear = cpu_linear and linear_cpu.available()
+        if cpu_linear and not self.cpu_linear:
+            why = (f"has loops only at the avx512 instruction-set level and above; this run's: {describe_level()}"
+                   if not at_least("avx512") else "could not be built (see the warning above)")
+            warnings.warn(
+                f"evictlayers.apply(cpu_linear=True): the few-rows op {why}; the linear layers keep their own "
+                "forward (BLAS), with the same logits",
+                stacklevel=3,
+            )
         self.support = model_support(model)
         if isinstance(policy.allocation, Induction) and policy.allocation.scores is None:
             # measured on the unmodified model, before any module is swapped
@@ -77,7 +105,7 @@ class EvictionRun:
         if any(p.reads_sentences for p in layer_policies):
             if tokenizer is None:
                 raise ValueError(
-                    "this policy ranks the text's sentences (HeavyHitterSelector(chunk='sentence')): pass the model's "
+                    "this policy ranks the text's sentences (a SentenceScores refinement): pass the model's "
                     "tokenizer, evictlayers.apply(model, policy, tokenizer=tokenizer), so evictlayers knows which "
                     "tokens end a sentence"
                 )
@@ -122,16 +150,13 @@ class EvictionRun:
             # hooks put one) is put back by remove()
             self._own_forward = self.model.__dict__.get("forward", _ABSENT)
             self.model.forward = CompiledDecodeForward(self, self.model.forward, mode=self.compile)
-        # compile=True only: under "max-autotune" inductor times its own kernels for the frozen weights' products
-        self._linears = self._route_linears() if self.compile is True else []
+        self._linears = self._route_linears() if self.cpu_linear else []
         self.model._evictlayers_run = self
 
     def _route_linears(self) -> list[tuple[nn.Linear, object]]:
-        """Give each plain ``nn.Linear`` of a CPU model ``few_rows_forward`` (a decode step's products of one row
-        per sequence, which BLAS runs far below its rate); a layer that already has an instance forward (a hook's)
-        keeps it. The linears given one, each with it."""
-        if self.model.device.type != "cpu" or not linear_cpu.available():
-            return []
+        """Give each plain ``nn.Linear`` ``few_rows_forward`` (``cpu_linear=True``: a decode step's products of one
+        row per sequence, which BLAS runs far below its rate); a layer that already has an instance forward (a
+        hook's) keeps it. The linears given one, each with it."""
         routed = [m for m in self.model.modules() if type(m) is nn.Linear and "forward" not in m.__dict__]
         for module in routed:
             module.forward = linear_cpu.few_rows_forward(module)
@@ -195,6 +220,7 @@ class EvictionRun:
 
     def _hook(self, signature: inspect.Signature):
         names = list(signature.parameters)
+        cache_name = "cache" if "cache" in names else "past_key_values"  # transformers >= 5.24 names it cache
 
         def replaced(args: tuple, kwargs: dict, name: str, value) -> tuple[tuple, dict]:
             slot = names.index(name) if name in names else len(args)
@@ -209,7 +235,11 @@ class EvictionRun:
                 return args, kwargs
             arguments = signature.bind_partial(*args, **kwargs).arguments
             arguments.update(arguments.pop("kwargs", {}))
-            mask, cache, use_cache = (arguments.get(n) for n in ("attention_mask", "past_key_values", "use_cache"))
+            mask, use_cache = arguments.get("attention_mask"), arguments.get("use_cache")
+            # a caller may still pass the old name to a forward that takes `cache` (a deprecated alias there)
+            cache = arguments.get(cache_name, arguments.get("past_key_values"))
+            if cache_name != "past_key_values" and "past_key_values" in kwargs:
+                kwargs = {name: value for name, value in kwargs.items() if name != "past_key_values"}
             if use_cache is None:
                 use_cache = getattr(module.config, "use_cache", True)
             if isinstance(mask, dict):
@@ -230,7 +260,7 @@ class EvictionRun:
                         f"past_key_values is a {type(cache).__name__} holding {cache.get_seq_length()} tokens; "
                         "under evictlayers.apply pass an evictlayers cache (run.new_cache()) or none"
                     )
-                args, kwargs = replaced(args, kwargs, "past_key_values", cache)
+                args, kwargs = replaced(args, kwargs, cache_name, cache)
             inputs = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
             self.step_tokens = None if inputs is None else inputs.shape[1]
             if self.rotary is not None:
@@ -288,19 +318,30 @@ class EvictionRun:
         return self.cache.stats()
 
 
-def apply(model: nn.Module, policy: Policy, compile: bool | str = False, tokenizer=None) -> EvictionRun:
+def apply(model: nn.Module, policy: Policy, compile: bool | str = False, tokenizer=None,
+          cpu_linear: bool = False) -> EvictionRun:
     """Patch ``model`` to generate with ``policy``'s bounded cache; use as a context manager.
 
     ``tokenizer``: the model's tokenizer, needed by a policy that ranks the text's sentences
-    (``HeavyHitterSelector(chunk="sentence")``; an error names it when missing) and ignored by others.
+    (``HeavyHitterSelector(..., refine=[SentenceScores()])``; an error names it when missing) and ignored by others.
 
     ``compile=True`` compiles the decode steps (insert, attention with mass, scoring, eviction) over fixed
     slot buffers with ``torch.compile(fullgraph=True)``: a one-token forward of a bounded cache, or of a full
     cache kept in position order (unpadded prompts, on CPU), as one graph of the whole model
     (``hf/compiled_forward.py``), any other step (a padded full cache, a hybrid model, a ClusterSketch)
     layer by layer; prefill stays eager. A policy whose per-step code cannot be traced raises
-    ``CompileError``, never falls back. On a CPU with AVX-512 each ``nn.Linear`` runs a step's products of at
-    most 32 rows with ``kernels/linear_cpu.py``'s op, which reads the weights in place; exiting restores them.
+    ``CompileError``, never falls back. The model's linear layers keep their own forward (BLAS on CPU).
+
+    ``cpu_linear=True`` (with ``compile=True``, on a CPU model; anything else raises ``ValueError``) is an
+    opt-in beside eviction: for as long as the patch is active each plain ``nn.Linear`` (lm_head included; one
+    with an instance forward of its own, a hook's, keeps it) runs a step's products of at most
+    ``linear_cpu.MAX_ROWS`` rows with ``kernels/linear_cpu.py``'s C++ op, which reads the weights in place, and
+    every other call (a prefill) with ``F.linear``; exiting gives the layers back their own forward. It is a
+    keyword of the patch, not a context of its own: the forwards it sets are traced into the compiled decode
+    graph this patch owns, and leave with it. Where the op cannot be built or the CPU has no AVX-512 it warns and
+    changes nothing (the logits are BLAS's, as without it). ``python -m benchmarks --only decode`` times the
+    compiled rows with and without it (``el-h2o-compiled``, ``el-h2o-compiled+cpu_linear``), so eviction's gain
+    and the op's are read apart.
 
     ``compile="max-autotune"`` compiles the same graphs, and in the whole model's graph also freezes the
     weights (inductor's ``freezing``: under ``torch.no_grad`` or ``torch.inference_mode``, the weights become
@@ -310,4 +351,4 @@ def apply(model: nn.Module, policy: Policy, compile: bool | str = False, tokeniz
     place compiles the graph again (a write through ``.data`` is not seen: exit the patch first).
     ``docs/benchmarks.md`` has what it buys.
     """
-    return EvictionRun(model, policy, compile=compile, tokenizer=tokenizer)
+    return EvictionRun(model, policy, compile=compile, tokenizer=tokenizer, cpu_linear=cpu_linear)

@@ -1,5 +1,5 @@
 """Which tokens end a sentence or a line, from the model's tokenizer, for selectors that rank the
-text's sentences (``HeavyHitterSelector(chunk="sentence")``)."""
+text's sentences (``HeavyHitterSelector(..., refine=[SentenceScores()])``)."""
 
 from __future__ import annotations
 
