@@ -62,8 +62,11 @@ REFUSALS = {
     "mllama": ["layer 3", "MllamaTextCrossAttention", "cross-attention"],
     "diffllama": ["layer 0", "2 times"],
     "falcon_mamba": ["model_type='falcon_mamba'", "no attention layer"],
-    "deepseek_v3": ["model_type='deepseek_v3'", "DeepseekV3Attention (layer 0)", "latent"],
     "bloom": ["model_type='bloom'", "layer 0", "BloomAttention", "attention interface"],
+    "qwen4_exp_text": ["model_type='qwen4_exp_text'", "layer 3", "'indexed_attention'", "indexer", "QSA"],
+    "bart": ["model_type='bart'", "layer 0", "BartAttention", "encoder_attn", "cross-attention", "encoder-decoder"],
+    "zamba": ["model_type='zamba'", "layer 1", "ZambaAttention", "no layer_idx", "shared by several layers"],
+    "gemma3n_text": ["model_type='gemma3n_text'", "2, 3]", "KV sharing"],
 }
 
 
@@ -78,11 +81,54 @@ def test_a_refusal_names_the_model_the_layer_and_the_reason(model_type):
         assert part in outcome.reason, (part, outcome.reason)
 
 
+def test_the_shrink_keeps_what_makes_the_new_types_different():
+    """Per-layer sizes, KV sharing, sparse and recurrent layers and the decoder stack of an encoder-decoder
+    type survive the generic shrink (else their sweep rows say little)."""
+    from architecture_sweep import LAYERS, causal_lm_types, tiny_config, tiny_model
+
+    gemma4 = tiny_model("gemma4_text")
+    assert gemma4.config.layer_types == ["sliding_attention"] * 3 + ["full_attention"]
+    # the global layer twice as wide, as in Gemma 4 (a per-layer override in recent transformers, a
+    # global_head_dim in older ones)
+    assert [layer.self_attn.head_dim for layer in gemma4.model.layers] == [16, 16, 16, 32]
+    if "dots3_note_text" in causal_lm_types():
+        dots3 = tiny_config("dots3_note_text")
+        sliding = dots3.per_layer_config[dots3.layer_types.index("sliding_attention")]
+        assert sliding.head_dim == sliding.qk_nope_head_dim + sliding.qk_rope_head_dim
+        assert sliding.kv_lora_rank != dots3.per_layer_config[0].kv_lora_rank
+    gemma3n = tiny_config("gemma3n_text")
+    assert gemma3n.num_kv_shared_layers == 2 and set(gemma3n.layer_types[:2]) == set(gemma3n.layer_types[2:])
+    if "qwen4_exp_text" in causal_lm_types():
+        qwen4 = tiny_config("qwen4_exp_text")
+        assert set(qwen4.layer_types) == {"linear_attention", "indexed_attention"}
+    assert tiny_config("bart").decoder_layers == LAYERS
+
+
+def test_gemma4_global_layers_with_their_own_key_value_heads_work():
+    """Gemma 4's large variants give their global layers fewer key/value heads than the local ones, and take
+    the values from the key projection (attention_k_eq_v): each layer's cache holds its own head count and
+    head dim."""
+    from architecture_sweep import tiny_config, tiny_model
+
+    if getattr(tiny_config("gemma4_text"), "is_heterogeneous", False):  # per-layer overrides (recent transformers)
+        changes = {"attention_k_eq_v": True, "per_layer_config": {3: {"head_dim": 32, "num_key_value_heads": 1}}}
+    else:
+        changes = {"attention_k_eq_v": True, "num_global_key_value_heads": 1}
+    model = tiny_model("gemma4_text", **changes)
+    assert [layer.self_attn.k_proj.out_features for layer in model.model.layers] == [32, 32, 32, 32]  # 2 x 16, 1 x 32
+    assert model.model.layers[3].self_attn.v_proj is None  # the global layer's values come from its key projection
+    outcome = conformance("gemma4_text", el, **changes)
+    assert outcome.status == "works", outcome
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["gemma3_text", "gpt_oss", "qwen3_next", "smollm3"])
+@pytest.mark.parametrize(
+    "model_type", ["gemma3_text", "gpt_oss", "qwen3_next", "smollm3", "gemma4_text", "jetmoe", "deepseek_v3"]
+)
 def test_compiled_decode_equals_eager_on_new_attention_features(model_type):
-    """Sliding windows with local and global layers, learned sinks, a hybrid cache, NoPE layers: the
-    compiled decode step gives the eager step's tokens and logits under an H2O budget."""
+    """Sliding windows with local and global layers, learned sinks, a hybrid cache, NoPE layers, per-layer
+    head dims, cached heads repeated per expert, a cached latent expanded per head (MLA): the compiled
+    decode step gives the eager step's tokens and logits under an H2O budget."""
     import torch
 
     from architecture_sweep import BUDGET, LENGTHS, NEW_TOKENS, tiny_model

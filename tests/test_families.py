@@ -183,13 +183,15 @@ def _tiny_bloom():
     return transformers.BloomForCausalLM(config).eval(), "BloomAttention"
 
 
-def _tiny_gptj():
-    config = transformers.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=64)
+def _tiny_mpt():
+    # MPT adds an ALiBi bias inside its own attention code (GPT-J, which did as well, calls the attention
+    # interface from transformers 5.24 on and is served there)
+    config = transformers.MptConfig(vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, max_seq_len=64)
     torch.manual_seed(0)
-    return transformers.GPTJForCausalLM(config).eval(), "GPTJAttention"
+    return transformers.MptForCausalLM(config).eval(), "MptAttention"
 
 
-@pytest.mark.parametrize("make", [_tiny_bloom, _tiny_gptj], ids=["bloom", "gptj"])
+@pytest.mark.parametrize("make", [_tiny_bloom, _tiny_mpt], ids=["bloom", "mpt"])
 def test_unsupported_model_raises_naming_the_attention_class(make):
     model, attention_class = make()
     ids, mask = left_padded(LENGTHS)
@@ -215,3 +217,27 @@ def test_soft_capped_logits_under_sdpa_are_refused():
         with el.apply(model, el.Policy(budget=None)):
             _forward(model, ids, mask)
     assert not hasattr(model, "_evictlayers_run")
+
+
+def test_keys_changed_after_the_cache_update_are_refused_at_the_attention_call():
+    """Keys the attention call receives that are neither what the cache received, nor its heads repeated,
+    nor the module's expand_kv of a cached latent: the slot store would attend over other keys, so the call
+    refuses, naming the layer (a model that scales its keys after cache.update stands in for one)."""
+    from transformers import AttentionInterface
+
+    from evictlayers.hf import attention
+
+    model = build("llama")
+    ids, mask = left_padded(LENGTHS)
+
+    def scaled_keys(module, query, key, value, *args, **kwargs):
+        return attention.evicting_attention(module, query, key * 2, value, *args, **kwargs)
+
+    with el.apply(model, el.Policy(budget=None)):
+        AttentionInterface.register(attention.ATTENTION_NAME, scaled_keys)
+        try:
+            refusal = r"model_type='llama', LlamaAttention \(layer 0\) changes its keys"
+            with pytest.raises(el.UnsupportedModelError, match=refusal):
+                _forward(model, ids, mask)
+        finally:
+            attention.register()

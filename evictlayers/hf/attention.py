@@ -64,16 +64,43 @@ def evicting_attention(
     layer = run.staged_layer(module.layer_idx)
     if layer is not None:
         staged_key, staged_value = layer.staged
+        tiles, expanded = 1, False
         if key is not staged_key or value is not staged_value:
-            # the slot store attends over the keys the cache received; a model that changes them after
-            # cache.update (repeats them per expert, re-projects them) would be served other keys
+            if torch.compiler.is_compiling():
+                # a compiled decode step follows the eager prefill of the same cache, which compared the
+                # keys by value (a comparison a graph cannot branch on)
+                known = layer.head_tiles
+                tiles = known if known is not None and key.shape[1] == known * staged_key.shape[1] else None
+                expanded = bool(layer.expands_latent) and key.shape[2] == staged_key.shape[2]
+            else:
+                tiles = layer.head_tiles = _tiles(staged_key, staged_value, key, value)
+                expanded = layer.expands_latent = tiles is None and _expands_latent(module, layer.staged, key, value)
+        if tiles is None and not expanded:
+            # the slot store attends over what the cache received (or its per-token expansion); a model
+            # that changes the keys otherwise after cache.update would be served other keys
             raise UnsupportedModelError(
                 f"{_where(run, module)} changes its keys or values between the cache update and the attention "
-                "call (MLA models cache a compressed latent and expand it into keys afterwards), so the keys "
-                "evictlayers holds are not the ones it attends over"
+                "call in a way evictlayers cannot follow (neither its own per-token expansion of a cached latent, "
+                "expand_kv, nor the cached heads repeated), so the keys evictlayers holds are not the ones it "
+                "attends over"
             )
         real = run.real_tokens(layer.store.seq_len, query.shape[2])
-        out = layer.attend(query, real, **options, sinks=sinks, sentence_ends=run.sentence_ends)
+        if expanded:
+            # MLA: the cache received each token's compressed latent and the model expanded exactly those
+            # tokens into per-head keys (rotary part included) and values; the expansion is per token, so
+            # keeping the expanded keys and values is keeping the latents, at H * (D_k + D_v) per token
+            out = layer.attend(
+                query, real, key=key, value=value, **options, sinks=sinks, sentence_ends=run.sentence_ends
+            )
+        else:
+            if tiles > 1:
+                # query head e * H_kv + h attends over cached head h (JetMoE repeats the cached heads once per
+                # expert it routes to); grouped in the store's order, query head h * tiles + e reads head h
+                query = _by_cached_head(query, tiles)
+                sinks = None if sinks is None else _by_cached_head(sinks, tiles)
+            out = layer.attend(query, real, **options, sinks=sinks, sentence_ends=run.sentence_ends)
+            if tiles > 1:
+                out = _by_tile(out, tiles)
     else:
         # no cache (use_cache=False): a full slot store used for this call only, so positions, rotation
         # and masking are the ones every cached step uses
@@ -81,6 +108,49 @@ def evicting_attention(
         store = SlotStore(ROLLING_FULL if table is not None else FULL, module.layer_idx, rotary=table)
         out = store.step(query, key, value, run.real_tokens(0, query.shape[2]), **options, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _tiles(staged_key: torch.Tensor, staged_value: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int | None:
+    """How many times ``key``/``value`` ``[B, H, T, D]`` repeat the staged heads whole along the head dim
+    (``staged.repeat(1, n, 1, 1)``; 1 for a copy), or ``None`` where they are anything else. Compared by
+    value: attention over such keys is attention over the staged heads, whatever produced them."""
+    heads = staged_key.shape[1]
+    if key.shape[1] % heads or key.shape[0::2] != staged_key.shape[0::2]:
+        return None
+    if value.shape[0::2] != staged_value.shape[0::2]:
+        return None
+    tiles = key.shape[1] // heads
+    if value.shape[1] != tiles * staged_value.shape[1]:
+        return None
+    if torch.equal(key, staged_key.repeat(1, tiles, 1, 1)) and torch.equal(value, staged_value.repeat(1, tiles, 1, 1)):
+        return tiles
+    return None
+
+
+def _expands_latent(module: torch.nn.Module, staged: tuple[torch.Tensor, torch.Tensor], key: torch.Tensor,
+                    value: torch.Tensor) -> bool:
+    """Whether ``key``/``value`` are the module's ``expand_kv`` of the staged latent and rotary key (the
+    method transformers' MLA attentions expand their cached latents with, token by token), compared by value."""
+    expand = getattr(module, "expand_kv", None)
+    if not callable(expand) or key.shape[0::2] != staged[0].shape[0::2]:
+        return False
+    with torch.no_grad():
+        expanded_key, expanded_value = expand(*staged)
+    return torch.equal(expanded_key, key) and torch.equal(expanded_value, value)
+
+
+def _by_cached_head(heads_first: torch.Tensor, tiles: int) -> torch.Tensor:
+    """Query heads (dim 1, or dim 0 of per-head sinks) from tile-major ``e * H + h`` to head-major ``h * tiles + e``."""
+    dim = 0 if heads_first.dim() == 1 else 1
+    shape = heads_first.shape
+    split = (*shape[:dim], tiles, shape[dim] // tiles, *shape[dim + 1 :])
+    return heads_first.reshape(split).transpose(dim, dim + 1).reshape(shape)
+
+
+def _by_tile(out: torch.Tensor, tiles: int) -> torch.Tensor:
+    """``_by_cached_head`` undone on the output ``[B, H_q, Q, D_v]``."""
+    batch, heads, *rest = out.shape
+    return out.reshape(batch, heads // tiles, tiles, *rest).transpose(1, 2).reshape(out.shape)
 
 
 def _refuse_unserved(run, module: torch.nn.Module, kwargs: dict) -> None:

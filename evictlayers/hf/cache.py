@@ -37,6 +37,12 @@ class EvictionLayer(CacheLayerMixin):
         )
         self.is_sliding = window is not None
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
+        # what the model's attention call makes of the staged keys, as the attention function found on an
+        # eager step (a compiled step cannot compare tensors to find out): how many times it repeats the
+        # staged heads (JetMoE: once per expert), or whether it expands a staged latent into per-head keys
+        # and values with the module's expand_kv (MLA); None until then
+        self.head_tiles: int | None = None
+        self.expands_latent: bool | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -53,10 +59,17 @@ class EvictionLayer(CacheLayerMixin):
         self.staged = (key_states, value_states)
         return key_states, value_states
 
-    def attend(self, query: torch.Tensor, real: torch.Tensor | None, **attention_kwargs) -> torch.Tensor:
-        """Run the staged step through the slot store; returns ``[B, H_q, Q, D_v]``."""
-        key, value = self.staged
+    def attend(
+        self, query: torch.Tensor, real: torch.Tensor | None, key: torch.Tensor | None = None,
+        value: torch.Tensor | None = None, **attention_kwargs,
+    ) -> torch.Tensor:
+        """Run the staged step through the slot store; returns ``[B, H_q, Q, D_v]``. ``key``/``value``: what the
+        store keeps for the staged tokens where it is not what the cache received (an MLA model's per-head
+        expansion of its staged latent); by default the staged keys and values."""
+        staged_key, staged_value = self.staged
         self.staged = None
+        key = staged_key if key is None else key
+        value = staged_value if value is None else value
         return self.store.step(query, key, value, real, **attention_kwargs)
 
     @property

@@ -9,6 +9,12 @@ here, at ``apply`` time, naming the model type, the layer and the reason: never 
 
 Recurrent and linear-attention layers of hybrid models (Mamba, gated delta nets, short convolutions)
 keep their state in the model's own cache layer objects, which the eviction cache carries untouched.
+
+Keys and values that the model changes between the cache update and the attention call are served where
+the attention function can tell, per call, that they are the cached heads repeated (JetMoE repeats them
+once per expert) or the module's own per-token ``expand_kv`` of a cached latent (MLA: DeepSeek V2/V3,
+MiniCPM3, GLM-4-MoE-Lite, Kimi; the slot store then keeps the expanded per-head keys and values, larger per
+token than the latent); anything else is refused at that call (``hf/attention.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "hybrid", "hybri
 HYBRID_LAYER_TYPES = {"hybrid", "hybrid_sliding"}  # recurrent state and attention keys in one layer
 CARRIED_LAYER_TYPES = {"conv", "linear_attention"}  # recurrent state only: carried untouched
 EMPTY_LAYER_TYPES = {"dummy"}  # layers without attention (MoE/MLP-only blocks)
+
+# the attribute names transformers gives a decoder layer's cross-attention module (BART's and Whisper's
+# encoder_attn, BERT's crossattention, Mllama's cross_attn)
+CROSS_ATTENTION_NAMES = {"encoder_attn", "crossattention", "cross_attn", "cross_attention", "encoder_attention"}
 
 # keywords of the attention-interface call that evictlayers honours (or that cannot change the result:
 # the mask is rebuilt from slot positions, positions are already in the rotated keys)
@@ -143,6 +153,15 @@ def model_support(model: nn.Module) -> ModelSupport:
             f"{where} is an encoder-decoder model (its decoder cross-attends to an encoder); evictlayers serves "
             "decoder-only self-attention"
         )
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] in CROSS_ATTENTION_NAMES:
+            index = getattr(module, "layer_idx", None)
+            raise UnsupportedModelError(
+                f"{where}{f', layer {index}' if isinstance(index, int) else ''}: {type(module).__name__} ({name}) is a "
+                "cross-attention layer: its keys come from an encoder's output (of the source text in an "
+                "encoder-decoder model, whose decoder the causal-LM class is, or of an image), not from the tokens "
+                "generated; evictlayers serves decoder-only self-attention"
+            )
     supports_cache = getattr(type(model), "_supports_default_dynamic_cache", None)
     if supports_cache is not None and not supports_cache():
         raise UnsupportedModelError(
@@ -156,10 +175,12 @@ def model_support(model: nn.Module) -> ModelSupport:
             "evictlayers replaces the cache and would skip that set-up"
         )
     text_config = config.get_text_config(decoder=True)
-    if getattr(text_config, "kv_sharing_modes", None) is not None or getattr(text_config, "num_kv_shared_layers", 0):
+    shared = _kv_sharing_layers(text_config)
+    if shared:
         raise UnsupportedModelError(
-            f"{where}: some layers reuse another layer's key/value cache (KV sharing); evicting one layer's tokens "
-            "would change what the sharing layers see, which evictlayers does not model"
+            f"{where}: layers {shared} reuse another layer's key/value cache or keep theirs for such layers (KV "
+            "sharing); evicting one layer's tokens would change what the sharing layers see, which evictlayers does "
+            "not model"
         )
     layer_types, layer_kwargs = _layer_types(text_config, where)
     indexed = _indexed_modules(model)
@@ -168,10 +189,21 @@ def model_support(model: nn.Module) -> ModelSupport:
         for index, modules in indexed.items()
     }
     candidates = {index: modules for index, modules in candidates.items() if modules}
+    # attention blocks shared by several layers (Zamba's) carry layer_idx None or -1 and get the layer per call
+    unindexed = sorted({
+        type(m).__name__ for m in model.modules()
+        if hasattr(m, "layer_idx") and m.layer_idx in (None, -1) and _calls_interface(original_class(m))
+    })
     attention, carried = [], {}
     for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
         modules = candidates.get(index, [])
         if kind in ATTENTION_LAYER_TYPES:
+            if not modules and unindexed:
+                raise UnsupportedModelError(
+                    f"{where}, layer {index} ({kind}): its attention ({', '.join(unindexed)}) has no layer_idx of its "
+                    "own: one block, shared by several layers, is told its cache layer at each call; evictlayers "
+                    "finds a layer's attention by the module's layer_idx, so it cannot serve it"
+                )
             if len(modules) != 1:
                 named = sorted({type(m).__name__ for m in modules})
                 others = sorted({type(m).__name__ for m in indexed.get(index, []) if m not in modules})
@@ -197,6 +229,9 @@ def model_support(model: nn.Module) -> ModelSupport:
             reason = {
                 "chunked_attention": "chunked attention (each query sees only its own chunk of attention_chunk_size "
                 "tokens), which evictlayers' masks do not implement",
+                "indexed_attention": "sparse attention (an indexer, with keys of its own in the cache, picks for each "
+                "query the tokens it attends to: DeepSeek's DSA, Qwen 4's QSA), which evictlayers does not implement; "
+                "its slot store would attend over every kept token",
             }.get(kind, "a cache layer type evictlayers cannot hold")
             raise UnsupportedModelError(f"{where}, layer {index}: cache layer type {kind!r}: {reason}")
     stray = sorted(set(candidates) - set(range(len(layer_types))))
@@ -208,6 +243,25 @@ def model_support(model: nn.Module) -> ModelSupport:
     if not attention:
         raise UnsupportedModelError(f"{where} has no attention layer to evict from")
     return ModelSupport(getattr(config, "model_type", "?"), tuple(layer_types), tuple(attention), carried)
+
+
+def _kv_sharing_layers(text_config) -> list[int]:
+    """The layers that take part in KV sharing: those that reuse an earlier layer's keys and values, and
+    those that keep theirs for them (``kv_sharing_modes`` other than ``None``; ``num_kv_shared_layers`` for
+    configs without modes). Layers that only keep theirs ("store") while no layer reuses them share
+    nothing within the model: Gemma 4 without sharing marks its last layer of each type so (from
+    transformers 5.24 on) for an assistant model to read."""
+    try:
+        modes = getattr(text_config, "kv_sharing_modes", None)
+    except ValueError:  # the config rejects its own sharing layout: it shares, but cannot say which layers
+        return list(range(getattr(text_config, "num_hidden_layers", 0) or 1))
+    if modes is not None:
+        if all(mode in (None, "store") for mode in modes):
+            return []
+        return [index for index, mode in enumerate(modes) if mode is not None]
+    shared = getattr(text_config, "num_kv_shared_layers", 0) or 0
+    count = getattr(text_config, "num_hidden_layers", 0)
+    return list(range(count - shared, count)) if shared else []
 
 
 def _layer_types(text_config, where: str) -> tuple[list[str], list[dict]]:
