@@ -215,12 +215,14 @@ class Subject:
         window = getattr(config, "sliding_window", None)
         return [window if kind == "sliding_attention" and window else None for kind in types]
 
-    def kv_bytes(self, slots: int, batch: int = 1) -> int:
-        """Key + value bytes of a cache holding ``slots`` tokens per head in every layer, a sliding
-        layer at most ``window - 1``: ``sum over layers of 2 * B * Hkv * min(slots, window - 1) * D * bytes``."""
+    def kv_bytes(self, slots: int, batch: int = 1, spare: int = 0) -> int:
+        """Key + value bytes of a cache holding ``slots`` tokens per head in every layer, a sliding layer at most
+        ``window - 1``, and ``spare`` empty slots beside them: ``sum over layers of 2 * B * Hkv * (min(slots,
+        window - 1) + spare) * D * bytes``."""
         g = self.geometry
         per_token = 2 * batch * g["kv_heads"] * g["head_dim"] * g["kv_element_bytes"]
-        return sum(per_token * (slots if window is None else min(slots, window - 1)) for window in self.layer_windows)
+        return sum(per_token * ((slots if window is None else min(slots, window - 1)) + spare)
+                   for window in self.layer_windows)
 
     def kv_bytes_per_token(self, batch: int = 1) -> int:
         """Key + value bytes of one cached token over all layers: ``layers * 2 * B * Hkv * D * bytes``."""

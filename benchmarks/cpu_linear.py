@@ -4,15 +4,17 @@ One call multiplies every weight of a model of SmolLM2-135M's shapes (30 layers 
 gate, up and down projections, then the 49,152 x 576 output head; random weights, as a step reads them,
 one after another, each from memory: together they are larger than the CPU's caches) by ``rows`` input rows,
 the one token per sequence of a decode step at batch ``rows``, in float32 and, as the ``-bf16`` configurations,
-in bfloat16 (a model loaded in bfloat16; skipped, with the reason, where the op has no bfloat16 loops).
+in bfloat16 (a model loaded in bfloat16; skipped, with the reason, below the ``avx512_bf16`` instruction-set level,
+where the op has no bfloat16 loops).
 
 - ``read``: a sum over every weight, the bytes each product reads, at the rate this thread reads memory
   (baseline of ``gb_per_s``);
 - ``blas``: ``torch.nn.functional.linear`` (what a step runs without the op; baseline of ``time_us``);
 - ``few-rows``: ``evictlayers::few_rows_linear`` (``evictlayers/kernels/linear_cpu.cpp``), what
-  ``evictlayers.apply(compile=True)`` runs on CPU.
+  ``evictlayers.apply(compile=True, cpu_linear=True)`` runs on CPU.
 
-Skipped, with the reason printed, where the op has no AVX-512 kernel.
+Skipped, with the reason printed, below the ``avx512`` instruction-set level (``evictlayers/kernels/cpu_extension.py``:
+the CPU's, or a lower one named by ``EVICTLAYERS_CPU_ISA``), where the op has no loops, or where it cannot be built.
 """
 
 from __future__ import annotations
@@ -38,10 +40,22 @@ def sizes(quick: bool) -> tuple[list[tuple[int, int]], tuple[int, ...], int]:
 
 def skip_reason(context: Context) -> str | None:
     from evictlayers.kernels import linear_cpu
+    from evictlayers.kernels.cpu_extension import at_least, describe_level
 
+    if not at_least("avx512"):
+        return f"the op has loops only at the avx512 instruction-set level and above; this run's: {describe_level()}"
     if not linear_cpu.available():
-        return "the op has no AVX-512 kernel here (see the warning above, or the machine has no AVX-512)"
+        return "the op could not be built here (see the warning above)"
     return None
+
+
+def bfloat16_skip_reason(config: str) -> str:
+    """Why ``config`` (a ``-bf16`` configuration) is not run where the op has no bfloat16 loops."""
+    from evictlayers.kernels.cpu_extension import describe_level
+
+    why = (f"the op has bfloat16 loops only at the avx512_bf16 instruction-set level; this run's: "
+           f"{describe_level()}")
+    return why if config.startswith("few-rows") else f"a baseline of few-rows-bf16, which does not run: {why}"
 
 
 def cases(context: Context) -> list[Case]:
@@ -55,7 +69,7 @@ def cases(context: Context) -> list[Case]:
         kind, bf16 = config.removesuffix("-bf16"), config.endswith("-bf16")
         dtype, suffix = (torch.bfloat16, "-bf16") if bf16 else (torch.float32, "")
         if dtype not in served_dtypes():
-            return skipped(config, {"rows": rows}, "the op has no bfloat16 loops here (no AVX512-BF16)")
+            return skipped(config, {"rows": rows}, bfloat16_skip_reason(config))
         if dtype not in weights:
             generator = torch.Generator().manual_seed(0)
             weights[dtype] = [(torch.randn(shape, generator=generator) / shape[1] ** 0.5).to(dtype)

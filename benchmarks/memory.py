@@ -4,9 +4,10 @@ After a batch-1 prefill of a PG-19 prompt, tiled to the batch, and a few decode 
 reports the bytes of the key/value tensors the cache holds: ``run.stats()['kv_bytes']`` for
 evictlayers, the DynamicCache's tensors for the unmodified model (``hf``, the baseline of the
 ratio). The formula is ``layers * 2 * B * H_kv * slots * D * bytes`` (a sliding-window layer, as 5 of 6 in
-Gemma 3, counts at most ``window - 1`` slots) with ``slots`` the tokens seen
-for ``hf`` and ``el-full`` (a full cache holds every token) and ``budget + 1`` for ``el-h2o`` at 20%
-(``budget = round_half_up(0.2 * prompt)``; the spare slot is where the next token lands).
+Gemma 3, holds at most ``window - 1`` tokens) with ``slots`` the tokens seen for ``hf`` and ``el-full`` (a full
+cache holds every token) and ``budget + 1`` for ``el-h2o`` at 20% (``budget = max(round_half_up(0.2 * prompt),
+min_budget)``, the recipe's floor lifting a short prompt's fraction, at most ``window - 1`` on a sliding layer;
+the spare slot is where the next token lands).
 ``vs_formula`` is measured / formula: ``el-full`` grows its slots in steps of ``2 * sqrt(slots)``
 (``compose/store.py``'s ``growth_slots``), so it may hold that many more slots than the tokens it has seen.
 """
@@ -38,11 +39,14 @@ def skip_reason(context: Context) -> str | None:
     return None
 
 
-def formula_slots(config: str, prompt: int, seen: int) -> int:
-    """Slots per KV head the formula expects: every token seen, or the H2O budget plus the spare slot."""
+def formula_slots(config: str, prompt: int, seen: int) -> tuple[int, int]:
+    """(tokens, spare slots) per KV head the formula expects: every token seen, or the H2O budget and the spare
+    slot the next token lands in."""
     if config == "el-h2o":
-        return math.floor(H2O_BUDGET * prompt + 0.5) + 1
-    return seen
+        import evictlayers as el
+
+        return max(math.floor(H2O_BUDGET * prompt + 0.5), el.load_recipe("h2o").min_budget), 1
+    return seen, 0
 
 
 def cases(context: Context) -> list[Case]:
@@ -60,8 +64,9 @@ def cases(context: Context) -> list[Case]:
                 loop()
             measured = run.stats()["kv_bytes"] if run is not None else kv_resident_bytes(cache)
         seen = prompt + steps
-        slots = formula_slots(config, prompt, seen)
-        formula = context.subject.kv_bytes(slots, batch)  # a sliding layer holds at most window - 1
+        tokens, spare = formula_slots(config, prompt, seen)
+        formula = context.subject.kv_bytes(tokens, batch, spare)  # a sliding layer holds at most window - 1
+        slots = tokens + spare
         return row(
             config, {"prompt": prompt, "batch": batch},
             {"kv_mib": metric([measured / 2**20], "MiB", BASELINE, higher_is_better=False)},

@@ -4,6 +4,7 @@
 #   bash scripts/run.sh test    # the default (fast) test suite
 #   bash scripts/run.sh slow    # the tests marked slow (embedded model, Gemma 3 270M, long runs)
 #   bash scripts/run.sh compat  # the architecture sweep and family tests on the lowest tested transformers
+#   bash scripts/run.sh portable  # the C++ CPU kernels' and benchmarks' tests with the kernels built for AVX2 only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -42,11 +43,20 @@ assert t.__version__ == '$COMPAT_TRANSFORMERS'"
         tests/test_architecture_sweep.py tests/test_families.py tests/test_generation.py "$@"
 }
 
+# the tests whose code paths depend on the instruction set the C++ CPU kernels are built for
+# (evictlayers/kernels/cpu_extension.py); the default job runs them at this CPU's level
+PORTABLE_TESTS=(tests/test_kernels_cpu.py tests/test_kernels_cpu_decode.py tests/test_kernels_cpu_extension.py
+    tests/test_kernels_decode_slots_cpu.py tests/test_kernels_int4_cpu.py tests/test_kernels_linear_cpu.py
+    tests/test_kernels_prefill_mass_cpu.py tests/test_kernels_quantized.py tests/test_kernels_dispatch.py
+    tests/test_benchmarks.py)
+
 job="${1:-}"
 case "$job" in
     demo) install; python -m evictlayers.demo "${@:2}" ;;
     test) install; python -m pytest -q "${@:2}" ;;
     slow) install; install_second_model; python -m pytest -q -m slow "${@:2}" ;;
     compat) install; compat "${@:2}" ;;
-    *) echo "usage: bash scripts/run.sh demo|test|slow|compat [extra args]" >&2; exit 2 ;;
+    # as on a CPU without AVX-512 (EVICTLAYERS_CPU_ISA caps the level; the builds are cached under its name)
+    portable) install; EVICTLAYERS_CPU_ISA=avx2 python -m pytest -q "${PORTABLE_TESTS[@]}" "${@:2}" ;;
+    *) echo "usage: bash scripts/run.sh demo|test|slow|compat|portable [extra args]" >&2; exit 2 ;;
 esac

@@ -153,18 +153,18 @@ def _prefill_and_decode(policy, monkeypatch, force_mass: bool):
     """Prefill 300 random tokens (head dim 64, as the int4 recipes' groups need) into a store under
     ``policy`` then decode 4; with ``force_mass`` every prefill computes the summed mass whatever the
     policy reads."""
-    import evictlayers.compose.store as store_module
+    import evictlayers.compose.prefill_step as prefill_module
 
-    real = store_module.prefill_attention
+    real = prefill_module.prefill_attention
     if force_mass:
-        monkeypatch.setattr(store_module, "prefill_attention", lambda *a, **k: real(*a, **{**k, "need_mass": True}))
+        monkeypatch.setattr(prefill_module, "prefill_attention", lambda *a, **k: real(*a, **{**k, "need_mass": True}))
     g = torch.Generator().manual_seed(21)
     q, k, v = (torch.randn(2, h, 304, 64, generator=g) for h in (6, 2, 2))
     store = el.SlotStore(policy)
     outs = [store.step(q[:, :, :300], k[:, :, :300], v[:, :, :300], scaling=0.125)]
     for i in range(300, 304):
         outs.append(store.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], scaling=0.125))
-    monkeypatch.setattr(store_module, "prefill_attention", real)
+    monkeypatch.setattr(prefill_module, "prefill_attention", real)
     return store, outs
 
 

@@ -119,7 +119,7 @@ def test_the_compiled_ops_check_their_inputs():
         int4_cpu.int4_values(torch.rand(2, 3, 3, 6), codes, scale, zero)
 
 
-def test_without_the_extension_the_decode_warns_once_and_dequantises_blocks(monkeypatch):
+def test_without_the_extension_the_decode_warns_once_and_dequantises_blocks(monkeypatch, tmp_path):
     """A machine that cannot compile it (no compiler, no ninja) still decodes int4 caches, told why and how to
     fix it: the quantised decode takes its blocks (dequantise a block of slots, then ``torch.matmul``)."""
     import torch.utils.cpp_extension
@@ -129,7 +129,9 @@ def test_without_the_extension_the_decode_warns_once_and_dequantises_blocks(monk
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
-    monkeypatch.setattr(cpu_extension, "_BUILT", {})
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing cached: the build is asked for
+    loaded = {name: module for name, module in cpu_extension._BUILT.items() if name != "evictlayers_int4_cpu"}
+    monkeypatch.setattr(cpu_extension, "_BUILT", loaded)  # this kernel not loaded yet, the others as they were
     calls = []
     monkeypatch.setattr(quantized_cpu, "int4_logits", lambda *args: calls.append(1))
     codes, scale, zero = codes_of((2, 3, 10, 64), 32, torch.bfloat16, 6)

@@ -1,6 +1,6 @@
 """The decode's weight products on CPU (``kernels/linear_cpu.cpp``): ``few_rows_linear`` against float64
-``F.linear`` (in float32, and in bfloat16 where the machine has AVX512-BF16), and ``few_rows_forward``, the linear
-layers' forward that sends few-row calls to it.
+``F.linear`` (in float32, and in bfloat16 at the avx512_bf16 instruction-set level), and ``few_rows_forward``, the
+linear layers' forward that sends few-row calls to it. Below the avx512 level the op has no loops: skipped.
 
 Odd shapes: 1-9 input rows (every row block the kernel has, then a second block of 8), weight rows around its
 tiles (16 / rows weight rows a tile, two at 8 rows, the remainder one at a time), widths around its 16-float
@@ -12,10 +12,21 @@ import torch
 import torch.nn.functional as F
 
 from evictlayers.kernels import linear_cpu
+from evictlayers.kernels.cpu_extension import at_least, describe_level
 from evictlayers.kernels.linear_cpu import few_rows_forward, few_rows_linear
 from tiny_models import single_thread  # noqa: F401 (autouse fixture)
 
-pytestmark = pytest.mark.skipif(not linear_cpu.available(), reason="the AVX-512 linear kernel is not built here")
+pytestmark = pytest.mark.skipif(
+    not at_least("avx512"), reason=f"the op has loops from the avx512 instruction-set level up; here {describe_level()}"
+)
+BFLOAT16 = at_least("avx512_bf16")
+
+
+def test_the_op_is_built_with_the_loops_of_the_level():
+    """CI has a compiler and ninja: from avx512 up the op runs its own float32 loops, from avx512_bf16 up its
+    bfloat16 ones too."""
+    assert linear_cpu.available()
+    assert linear_cpu.served_dtypes() == ((torch.float32, torch.bfloat16) if BFLOAT16 else (torch.float32,))
 
 
 def nan_framed(values: torch.Tensor) -> torch.Tensor:
@@ -50,10 +61,7 @@ def test_the_op_matches_a_float64_linear(shape, with_bias, threads):
     torch.testing.assert_close(out.double(), reference, rtol=1e-5, atol=1e-4)
 
 
-BFLOAT16 = torch.bfloat16 in linear_cpu.served_dtypes()
-
-
-@pytest.mark.skipif(not BFLOAT16, reason="the machine has no AVX512-BF16")
+@pytest.mark.skipif(not BFLOAT16, reason=f"bfloat16 loops need the avx512_bf16 level; here {describe_level()}")
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
 @pytest.mark.parametrize("shape", SHAPES + [(8, 5, 31), (2, 3, 32), (1, 2, 65)],
                          ids=[f"m{m}-n{n}-k{k}" for m, n, k in SHAPES + [(8, 5, 31), (2, 3, 32), (1, 2, 65)]])

@@ -198,7 +198,7 @@ def test_a_small_max_chunk_elements_gives_the_kernel_fewer_rows(monkeypatch):
     assert rows == [10]
 
 
-def test_without_the_extension_the_blocks_serve_after_one_warning(monkeypatch, kernel_calls):
+def test_without_the_extension_the_blocks_serve_after_one_warning(monkeypatch, kernel_calls, tmp_path):
     """A machine that cannot compile it still prefills with mass (the blocks), told why and how to fix it."""
     import torch.utils.cpp_extension
 
@@ -206,7 +206,9 @@ def test_without_the_extension_the_blocks_serve_after_one_warning(monkeypatch, k
         raise RuntimeError("Ninja is required to load C++ extensions")
 
     monkeypatch.setattr(torch.utils.cpp_extension, "load", no_compiler)
-    monkeypatch.setattr(cpu_extension, "_BUILT", {})
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))  # nothing cached: the build is asked for
+    loaded = {name: module for name, module in cpu_extension._BUILT.items() if name != "evictlayers_mass_cpu"}
+    monkeypatch.setattr(cpu_extension, "_BUILT", loaded)  # this kernel not loaded yet, the others as they were
     inputs = prefill_inputs(45, 0, 50, batch=1)
     with pytest.warns(RuntimeWarning, match="could not compile its CPU prefill-with-mass kernel .*Ninja is requi"):
         compare_prefill(attention_with_mass_cpu, inputs, scaling=0.3, keep_rows=2)

@@ -4,6 +4,10 @@ Each op is a folder of backends sharing one signature: ``prefill/`` (naive, cpu,
 (naive, triton) and ``quantized_decode/`` (naive, cpu, triton: attention over packed codes plus a dense
 residual); ``dispatch.py`` picks the backend. ``common.py`` holds the result types and input checks,
 ``triton_common.py`` the Triton helpers the ops share; ``quantization.py`` packs and unpacks codes.
+
+The CPU backends' C++ kernels (``*_cpu.cpp``, sharing ``cpu_kernels.h``) are compiled on first use for the CPU's
+instruction-set level by ``cpu_extension.py``; ``python -m evictlayers.kernels build`` compiles them ahead and
+``python -m evictlayers.kernels info`` says what is built (``__main__.py``).
 """
 
 from evictlayers.kernels.attention_sinks import apply_attention_sinks

@@ -8,18 +8,19 @@ linear layers' forward that sends a step's products to it.
 Why. A decode step multiplies every weight of the model by one row per sequence: a matrix of a few rows, a
 shape BLAS runs far below its rate. The kernel reads each weight row once per block of up to 8 input rows, in place:
 nothing is packed, so a weight changed between steps is read as it is, unlike ``compile="max-autotune"``,
-whose graph holds the weights it froze. On a 2-core AMD EPYC (AVX-512, one thread), SmolLM2-135M's weight
-products, read from memory as a step reads them, take 0.53x, 0.38x and 0.51x BLAS's time at 1, 4 and 8 rows
-(docs/benchmarks.md, "The decode's weight products", has the command); in bfloat16 (AVX512-BF16's ``vdpbf16ps``,
-32 channels a vector) 0.44x, 0.42x and 0.41x BLAS's bfloat16 time, and at 8 rows 0.47x the float32 op's time.
+whose graph holds the weights it froze. bfloat16 runs AVX512-BF16's ``vdpbf16ps``, 32 channels a vector.
+``python -m benchmarks --only cpu_linear`` times the op against BLAS on SmolLM2-135M's weights, read from
+memory as a step reads them, at 1 to 64 rows, in float32 and bfloat16.
 
-``evictlayers.apply(model, policy, compile=True)`` gives each ``torch.nn.Linear`` of a CPU model
-(the class itself, not a subclass such as a quantised layer's) the forward ``few_rows_forward`` for as long as the
-patch is active: a call whose input has at most ``MAX_ROWS`` rows, tensors of one dtype the op has loops for
-(``served_dtypes``: float32, and bfloat16 where the machine has AVX512-BF16) and no gradient to record (``serves``)
-runs the op, and every other call (a prompt's prefill) ``F.linear`` as before. The compiled decode forward traces
-the op into its graph. The op is built by ``kernels/cpu_extension.py`` on first use; where it cannot be built, or
-the machine has no AVX-512 (``available``), no forward is replaced.
+Only on request: ``evictlayers.apply(model, policy, compile=True, cpu_linear=True)`` on a CPU model gives each
+``torch.nn.Linear`` (the class itself, not a subclass such as a quantised layer's) the forward ``few_rows_forward``
+for as long as the patch is active: a call whose input has at most ``MAX_ROWS`` rows, tensors of one dtype the op
+has loops for (``served_dtypes``: float32, and bfloat16 where the machine has AVX512-BF16) and no gradient to record
+(``serves``) runs the op, and every other call (a prompt's prefill) ``F.linear`` as before. The compiled decode
+forward traces the op into its graph. Without ``cpu_linear=True`` no linear layer is touched; the decode
+benchmark's ``+cpu_linear`` rows time the op's share of a step.
+The op is built by ``kernels/cpu_extension.py`` on first use, for the machine's instruction-set level; where
+it cannot be built, or that level is below ``avx512`` (``available``), ``apply`` warns and replaces no forward.
 """
 
 from __future__ import annotations
@@ -32,9 +33,8 @@ from evictlayers.kernels.cpu_extension import build
 
 SOURCE = Path(__file__).with_name("linear_cpu.cpp")
 
-#: The most input rows the op serves. Past 8 it reads each weight once per block of 8 rows; on the machine above it
-#: took 0.57x, 0.60x, 0.73x, 0.79x, 0.90x and 0.97x BLAS's time for SmolLM2's weights at 12, 16, 24, 32, 48 and 64
-#: rows: a batch of up to 32 sequences decodes with it.
+#: The most input rows the op serves. Past 8 it reads each weight once per block of 8 rows, so its lead over BLAS
+#: shrinks as the rows grow; 32 is where the ``cpu_linear`` benchmark still finds it ahead.
 MAX_ROWS = 32
 
 _LIB = torch.library.Library("evictlayers", "FRAGMENT")
@@ -50,23 +50,28 @@ few_rows_linear = torch.ops.evictlayers.few_rows_linear
 def extension():
     """The compiled module (its import registers the op's CPU kernel), built on the first call; ``None`` (after
     one warning) when it cannot be built."""
-    return build("evictlayers_linear_cpu", SOURCE, "CPU kernel for the decode's weight products",
+    return build(SOURCE, "CPU kernel for the decode's weight products",
                  "the compiled decode forward's linear layers run BLAS instead (same results, slower)")
 
 
 def available() -> bool:
-    """Whether the op has its AVX-512 kernel here (building it on the first call)."""
+    """Whether the op has its AVX-512 loops here: the instruction-set level (``kernels/cpu_extension.py``) is
+    ``avx512`` or higher and the op is built (on the first call). Below ``avx512`` nothing is built: the op would
+    compute ``at::linear``."""
+    from evictlayers.kernels.cpu_extension import at_least
+
+    if not at_least("avx512"):
+        return False
     module = extension()
     return module is not None and module.vectorised()
 
 
 def served_dtypes() -> tuple[torch.dtype, ...]:
-    """The dtypes the op has vector loops for here: float32 with AVX-512 (``available``), bfloat16 with
-    AVX512-BF16 too; none where it cannot be built."""
-    module = extension()
-    if module is None or not module.vectorised():
+    """The dtypes the op has vector loops for here: float32 where it is ``available``, bfloat16 too at the
+    ``avx512_bf16`` level; none elsewhere."""
+    if not available():
         return ()
-    return (torch.float32, torch.bfloat16) if module.bfloat16() else (torch.float32,)
+    return (torch.float32, torch.bfloat16) if extension().bfloat16() else (torch.float32,)
 
 
 def serves(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -86,7 +91,8 @@ def serves(input: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
 
 def few_rows_forward(module: torch.nn.Linear):
     """A forward for ``module`` that computes ``few_rows_linear`` where ``serves`` accepts the call and
-    ``F.linear`` otherwise: ``evictlayers.apply(compile=True)`` sets it as the instance's ``forward``."""
+    ``F.linear`` otherwise: ``evictlayers.apply(compile=True, cpu_linear=True)`` sets it as the instance's
+    ``forward``."""
     dtypes = served_dtypes()  # read here, once: the forward runs inside the compiled graph
 
     def forward(input: torch.Tensor) -> torch.Tensor:

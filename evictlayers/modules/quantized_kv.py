@@ -91,8 +91,9 @@ class QuantizedKV(Component):
         """Empty storage for ``capacity`` slots per ``(b, h)``; ``layer`` only names the layer in errors."""
         self.check_dims(head_dim, value_dim, layer)
         if int4_cpu.serves(self.bits, self.group) and torch.device(device).type == "cpu":
-            # the int4 CPU kernel compiles on first use (about a minute, once per machine): here, at prefill,
-            # rather than inside the first decode step, where a benchmark or the demo would time it
+            # the int4 CPU kernel builds on first use (announced on stderr, once per machine and instruction-set
+            # level): here, at prefill, rather than inside the first decode step, where a benchmark or the demo
+            # would time it
             int4_cpu.extension()
         per_byte = 2 if self.bits == 4 else 1
         scale_dtype = _scale_dtype(dtype)

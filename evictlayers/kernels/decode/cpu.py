@@ -2,11 +2,10 @@
 
 Same signature and result as ``naive.py``. The backend is ``naive.py``'s steps (logits once for output and
 mass) with its two matmuls and the softmax between them done by ``slots_cpu.py``'s C++ ops, which read each
-slot once for every query row of its GQA group, whether or not the mass is wanted. Without the mass they
-are also faster than the fused op transformers' SDPA path runs
-(``_scaled_dot_product_flash_attention_for_cpu``): with SmolLM2's shapes, 30 layers' worth of separate
-buffers, one thread, 1.5-1.8x at 4,096 and 8,192 slots, batch 1 and 8 (the op reached 5-6 GB/s over the
-slots, the slot ops 7-10 GB/s). Where the ops cannot be built (no C++ compiler) or a gradient is
+slot once for every query row of its GQA group, whether or not the mass is wanted, so they also serve the
+steps that need no mass in place of the fused op transformers' SDPA path runs
+(``_scaled_dot_product_flash_attention_for_cpu``; ``python -m benchmarks --only cpu_kernel`` times both
+against a plain read of the slots). Where the ops cannot be built (no C++ compiler) or a gradient is
 wanted, a step that needs no mass (a full cache, StreamingLLM, key-geometry scorers:
 ``Policy.decode_needs_mass``) goes through the fused op: blocks of slots with an online softmax, the ``G``
 query heads of a GQA group as its ``G`` query rows over their KV head (nothing expanded or copied), and

@@ -16,25 +16,23 @@ the products accumulate in float32.
 
 Why kernels. A decode step's attention is ``G`` query rows (a GQA group) against ``C`` slots per KV head:
 ``torch.matmul`` hands that to BLAS as ``B * H`` matrix products of ``G`` rows, a shape BLAS runs far below
-its rate. These loops (AVX2 + FMA) read each slot once for up to 4 query rows (logits; tiles of 8 slots
-reduced to one vector per row by a tree of ``hadd``) or keep the output in registers across a tile of about
-16 KB of slots (values). With them compiled H2O decodes 1.18x as fast at 8k-token prompts, batch 8
-(docs/benchmarks.md, "The decode's matmuls over the slots", has the command). Where the machine has AVX-512
-the loops run 16 floats wide for head dims that are a multiple of 16 (logits: head dims 64 and 128, tiles of
-16 slots with each row's query held in registers), which takes the two products at SmolLM2's shape from
-0.61x to 0.79x the rate a plain sum reads the slots (docs/benchmarks.md, "The decode's products over the
-slots"). Other head dims (not a multiple of 8) and machines without AVX2, FMA and F16C run scalar loops with
-the same arithmetic. The softmax:
-inductor's code for ``slot_softmax`` compared the int64 slot positions against the query's anew in every pass
-over every query row (four passes, ``G`` rows), and took about 1 ms per layer at SmolLM2's shape with 1,639 slots
-at batch 8, as long as either product; the op builds each head's visibility once as a row of ``0 / -inf`` and
-keeps a row's passes in L1.
+its rate. From the ``avx2`` instruction-set level up (``kernels/cpu_extension.py``) these loops read each slot
+once for up to 4 query rows (logits; tiles of 8 slots reduced to one vector per row by a tree of ``hadd``) or keep
+the output in registers across a tile of about 16 KB of slots (values); from ``avx512`` up they run 16 floats wide
+for head dims that are a multiple of 16 (logits: head dims 64 and 128, tiles of 16 slots with each row's query
+held in registers). Other head dims (not a multiple of 8), and the ``scalar`` level, run scalar loops with the
+same arithmetic. ``python -m benchmarks --only cpu_kernel`` times the two products against ``torch.matmul`` and
+against a plain read of the slots; ``python -m benchmarks --only decode`` times the decode they serve. The
+softmax: inductor's code for ``slot_softmax`` compared the int64 slot positions against the query's anew in every
+pass over every query row (four passes, ``G`` rows); the op builds each head's visibility once as a row of
+``0 / -inf`` and keeps a row's passes in L1.
 
 The C++ file registers itself as the ops' CPU kernels, so a call, eager or from the compiled decode step
 (the ops are opaque there, with the shapes of ``register_fake`` below), goes from the dispatcher straight to
-C++. It is compiled by ``kernels/cpu_extension.py`` on first use (``available``): ``evictlayers.apply`` asks
-for it on a CPU model. When it cannot be built, ``available`` is false: ``decode/cpu.py`` runs ``naive.py``'s
-``torch.matmul`` instead, and ``kernels/slot_search.py`` its PyTorch search.
+C++. It is compiled by ``kernels/cpu_extension.py`` on first use (``available``), for the machine's
+instruction-set level: ``evictlayers.apply`` asks for it on a CPU model. When it cannot be built, ``available`` is
+false: ``decode/cpu.py`` runs ``naive.py``'s ``torch.matmul`` instead, and ``kernels/slot_search.py`` its PyTorch
+search.
 """
 
 from __future__ import annotations
@@ -105,7 +103,7 @@ def softmax_mass(
 def extension():
     """The compiled module (its import registers the ops' CPU kernels), built on the first call; ``None``
     (after one warning) when it cannot be built."""
-    return build("evictlayers_slots_cpu", SOURCE, "CPU decode kernel",
+    return build(SOURCE, "CPU decode kernel",
                  "decode attention with mass on CPU runs torch.matmul instead (same results, slower)")
 
 

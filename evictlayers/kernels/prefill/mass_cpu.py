@@ -4,8 +4,8 @@ a C++ kernel (``mass_cpu.cpp``) with its PyTorch reference beside it.
 Why a kernel. Attention mass needs each query row's softmax complete before its probabilities are summed.
 ``cpu.py``'s blocks get that by giving each block of rows every slot it sees at once, so at 8k-16k tokens a
 block that fits the cache is a few rows thin, its matmuls run well below BLAS's rate, and the softmax, the
-column sums and ``P @ V`` each read the block again: the blocks took 1.75x the fused flash op's time at 4k
-tokens and 2.2x at 8k (one thread, SmolLM2's shape), while the flash op computes no mass at all.
+column sums and ``P @ V`` each read the block again, where the fused flash op (which computes no mass) makes one
+pass. ``python -m benchmarks --only prefill`` times the prefill with this kernel against SDPA's.
 
 What it computes. Per query head and block of ``BLOCK_ROWS`` (128) rows, the slots are taken in tiles of
 512 as flash attention does (Dao et al., FlashAttention, Algorithm 1): the tile's logits by BLAS, each row's running max
@@ -28,7 +28,9 @@ their own.
 What it serves (``serves``): no softcap, a gain (if any) >= 0, on queries that are the last ``Q`` of ``N``
 slots holding consecutive positions (a whole prompt on an empty cache, or a chunk after in-order slots),
 with or without a sliding window. ``cpu.py`` sends those rows here and keeps its blocks
-for everything else, and for every row when the kernel cannot be built (``kernels/cpu_extension.py``).
+for everything else, and for every row when the kernel cannot be built (``kernels/cpu_extension.py`` builds it
+for the machine's instruction-set level: its own loops are ATen's vectors, 8 floats wide from ``avx2`` up and
+scalar below; its matmuls are BLAS's whatever the level).
 It calls BLAS's ``sgemm_`` as linked into PyTorch (MKL on x86 wheels).
 """
 
@@ -42,16 +44,16 @@ from evictlayers.kernels.common import in_order
 from evictlayers.kernels.cpu_extension import build
 
 SOURCE = Path(__file__).with_name("mass_cpu.cpp")
-# query rows per block, at most: each thread's scratch is rows x N floats. Interleaved with the fused flash op on
-# one thread (9 query heads over 3 KV heads, head dim 64), 128 rows took 1.05-1.1x its time at 8k tokens
-# against 1.2-1.3x for 32 or 64 (thinner matmuls) and 1.0-1.4x for 256 (a scratch out of the cache)
+# query rows per block, at most: each thread's scratch is rows x N floats. Fewer rows make thinner matmuls, more a
+# scratch that leaves the cache; of 32, 64, 128 and 256, timed beside the fused flash op on one thread at SmolLM2's
+# shape and 8k tokens (python -m benchmarks --only prefill), 128 came closest to it
 BLOCK_ROWS = 128
 
 
 def extension():
     """The compiled module (``prefill_mass``), built on the first call; ``None`` (after one warning) when it
     cannot be built."""
-    return build("evictlayers_prefill_mass_cpu", SOURCE, "CPU prefill-with-mass kernel",
+    return build(SOURCE, "CPU prefill-with-mass kernel",
                  "prefill with attention mass on CPU runs the PyTorch blocks instead (same results, slower)")
 
 

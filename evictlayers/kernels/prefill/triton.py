@@ -29,8 +29,8 @@ the sliding window) is skipped, which halves the work of a causal prompt. That t
 tile's loop, which keeps Triton from pipelining the loop's loads. When the slots hold consecutive
 positions and the queries are the last of them (``in_order``: a whole prompt on an empty cache, or a chunk
 after in-order slots; tested from ``IN_ORDER_MIN_SLOTS`` slots on), the tiles a block sees are a range
-found from its indices, and the loops have no branch: on an H200 that took the attention at 8k-64k tokens
-to 0.41-0.52x its time without the mass, 0.44-0.60x with it (docs/benchmarks.md).
+found from its indices, and the loops have no branch, so their loads pipeline (``python -m benchmarks
+--only prefill_kernel`` times both forms on a GPU).
 """
 
 from __future__ import annotations
@@ -457,10 +457,8 @@ def passes_for(n_slots: int, programs: int, items: int) -> int:
     """1 or 2: the faster way to compute the mass over ``n_slots`` slots for a call whose one-pass kernel
     may run ``programs`` programs (0: it cannot) over ``items`` items.
 
-    One pass when every item gets a program and the slots are at most ``ONE_PASS_MAX_SLOTS``. In the
-    ``prefill_kernel`` benchmark on an H200 (bfloat16, SmolLM2's 9 query / 3 KV heads, a whole causal prompt;
-    docs/benchmarks.md) one pass with a program per item took 0.69x, 0.85x and 1.22x two passes' time at 1k,
-    2k and 8k slots; with fewer programs than items, 1.47x at 16k (1,024 programs for 2,304 items) and 1.86x
-    at 64k (256 for 9,216): writing and reading the scratch costs more than recomputing the logits once it
-    is large, and a program that takes several items in turn does their work one after another."""
+    One pass when every item gets a program and the slots are at most ``ONE_PASS_MAX_SLOTS``, the rule the
+    ``prefill_kernel`` benchmark (``python -m benchmarks --only prefill_kernel``, rows ``mass_one_pass`` and
+    ``mass_two_passes``) supports: writing and reading the scratch costs more than recomputing the logits once
+    it is large, and a program that takes several items in turn does their work one after another."""
     return 1 if programs == items and n_slots <= ONE_PASS_MAX_SLOTS else 2

@@ -26,13 +26,10 @@ How a block is unpacked, and why:
 - The bytes become float32 in ATen, not in inductor's generated code: ``codes_as_float`` is a one-line
   custom op (``codes.float()``) that the compiled step calls as an opaque kernel, and everything after
   it is float arithmetic. Inductor loads integer vectors through a copy into a stack buffer (its
-  ``loadu`` with an element count has no fast path for integer types), which made its uint8 -> float
-  conversion ~1.2 ns per element against ~0.1 ns for ATen's. With the op, when int4 codes took the blocks
-  too (2-core AVX2 development machine, one thread, ``python -m benchmarks --only decode``), compiled
-  ``h2o_int4`` decoded at 0.89x the tokens/s of compiled dense ``h2o`` at 8k-token prompts, batch 8 (0.61x
-  before), 1.02x at 4k batch 8 (0.63x) and 0.88x at 4k batch 1 (0.82x): BLAS on each block plus the op's
-  ~20 us per call cost about what reading the dense float32 cache does, which is why int4 now skips the
-  blocks.
+  ``loadu`` with an element count has no fast path for integer types), which makes its uint8 -> float
+  conversion an order of magnitude slower than ATen's. Even so, BLAS on each block plus the op's call cost
+  about what reading the dense float32 cache does, which is why int4 codes skip the blocks for the C++ ops
+  (``python -m benchmarks --only decode`` times ``h2o_int4`` beside the dense ``h2o``).
 - The nibbles are split in float: with ``x`` a byte's value, its high nibble is ``floor(x / 16)`` and its
   low one ``x - 16 * floor(x / 16)``, written as one broadcast expression over the two halves so
   inductor fuses split, scale and zero point into one pass over the block (a ``cat`` of the halves was
@@ -52,20 +49,15 @@ How a block is unpacked, and why:
   faster 16-bit matmul for these shapes).
 - Deviation from a fused kernel (``triton.py`` dequantises in registers): inductor calls the BLAS matmul
   on each dequantised block, because its generated code for a reduction fused with the unpacking was
-  several times slower than unpack-then-matmul (measured again with the float op: ~5x the dense attention).
-- Compiled, ``SLOT_BLOCKS`` is 4: each block costs an op call and matmul calls (~20 us of overhead), which
-  at small caches (4k-token prompt, batch 1) outweighed keeping a block in L2; 8k-token prompts at batch 8
-  timed the same with 2, 4 or 8 blocks, 16 and 32 were slower.
+  several times slower than unpack-then-matmul.
+- Compiled, ``SLOT_BLOCKS`` is 4: each block costs an op call and matmul calls, whose fixed overhead at
+  small caches outweighs keeping a block in L2; more blocks only add that overhead at large caches.
 - Eager, a block is unpacked into buffers this thread keeps between calls (``_scratch``): a fresh
   block-sized tensor each call cost page faults, several times its size over ~1 MiB. With them, a
-  block's ~12 ATen calls cost ~50-100 us whatever its size, so the count follows the cache: as many
+  block's dozen ATen calls cost a fixed overhead whatever its size, so the count follows the cache: as many
   blocks as keep a block's float32 keys under ``EAGER_BLOCK_BYTES`` (2 MiB), at most
-  ``EAGER_MAX_BLOCKS``. QK^T alone at 1/2/3/6/12 blocks (batch 8, 3 KV heads, ``D = 64``, same run):
-  320 slots (1.9 MiB dense) 0.70/0.81/0.93/1.30/1.98 ms; 640 slots 1.50/1.38/1.48/1.81/2.46 ms; 1,600
-  slots 6.7/5.0/3.8/3.6/4.3 ms; 3,200 slots 13.8/13.5/12.7/8.4/7.5 ms. The whole op against the
-  allocating kernel before (768 KiB blocks, stacked halves): 0.68-0.82x its time at batch 8 and 160 to
-  3,200 slots, 0.83-1.08x at batch 1; a decode step of the embedded model (8 passkey prompts of 1,500
-  tokens, 20%, interleaved steps) 0.88x for ``h2o_int4``, 0.96x for ``scissorhands_int4``.
+  ``EAGER_MAX_BLOCKS``: one block for small caches, where the overhead dominates, more for large ones,
+  where a block that stays in cache is what counts.
 - Tried and dropped: shifts and masks on an int32 or int16 view of the bytes inside the graph (the same
   integer loads, as slow); a float16/bfloat16 op output (ATen's uint8 -> float16 conversion is slow,
   bfloat16 no faster overall); scale and zero point kept out of the block by splitting the dot product

@@ -26,32 +26,31 @@ to channel order) and the ring makes the output. Against the ops one by one it w
 to memory, concatenates nothing, and is one call instead of five (``docs/benchmarks.md``, "Decode throughput", has
 the decode against dense H2O). It has no backward: a gradient goes through the two ops.
 
-Why a C++ kernel. DESIGN.md asks the quantised decode to dequantise in registers. On CPU, inductor's code
-for a reduction fused with the unpacking was ~5x slower than unpack-then-matmul, and unpack-then-matmul
-(``cpu.py``'s blocks) writes 8 float bytes per code byte, which costs what reading a dense cache does. Here
-the codes are the only cache bytes read from memory:
+Why a C++ kernel. An int4 cache is there to be read in fewer bytes, so the decode dequantises in registers. On
+CPU, inductor's code for a reduction fused with the unpacking ran slower than unpack-then-matmul, and
+unpack-then-matmul (``cpu.py``'s blocks) writes 8 float bytes per code byte, which costs what reading a dense cache
+does. Here the codes are the only cache bytes read from memory, at the instruction-set level the kernel is built
+for (``kernels/cpu_extension.py``):
 
-- With AVX-512 (groups of a multiple of 32 channels, head dims 32, 64, 128 or 256) both products dequantise
+- From ``avx512`` up (groups of a multiple of 32 channels, head dims 32, 64, 128 or 256) both products dequantise
   each slot in registers: 16 bytes are widened to 32-bit lanes in one instruction, split there into the low
   (``& 15``) and high (``>> 4``) nibbles, converted, and scaled by one FMA each. QK keeps the query rows in
   registers and feeds the 32 values straight into up to 4 rows' dot products, slots in tiles of 16 whose
   partial sums ``sum16`` reduces to one vector per row (``cpu_kernels.h``, shared with the dense slot ops); PV
-  keeps every row's accumulators in registers across all slots. At SmolLM2's shapes the two ops take
-  0.58-0.69x the dense slot ops' time (0.49-0.58x before those asked for their slots ahead), where the AVX2
-  loops took 1.03-1.11x.
-- With AVX2 (groups of a multiple of 16 channels) QK dequantises 8 bytes at a time in registers the same way,
+  keeps every row's accumulators in registers across all slots.
+- At ``avx2`` (groups of a multiple of 16 channels) QK dequantises 8 bytes at a time in registers the same way,
   slots in tiles of 8 reduced by a tree of ``hadd``; PV dequantises a tile of ~16 KB of slots into a scratch
   row that stays in L1, then runs the dense slot ops' register-blocked accumulation over it.
 
 ``python -m benchmarks --only cpu_kernel`` times both ops against the dense slot ops and ``torch.matmul``
-at SmolLM2's shapes (``benchmarks/results``). Other even groups, or a machine without AVX2, FMA and F16C, run
-scalar loops with the same arithmetic.
+at SmolLM2's shapes (``benchmarks/results``). Other even groups, and the ``scalar`` level, run scalar loops with the
+same arithmetic.
 
 The C++ file registers itself as the ops' CPU kernels, so a call, eager or from the compiled decode step
 (the ops are opaque there, with the shapes of ``register_fake`` below), goes from the dispatcher straight to
-C++. It is compiled by ``kernels/cpu_extension.py`` on first use (about a minute once, then cached by torch)
-for the machine it runs on: ``QuantizedKV.allocate`` asks for it when an int4 cache is made on CPU, so the
-build happens at prefill, not inside a decode step someone is timing. When it cannot be built, ``available``
+C++. It is compiled by ``kernels/cpu_extension.py`` on first use (announced on stderr; once per machine and
+level, then imported from the cache): ``QuantizedKV.allocate`` asks for it when an int4 cache is made on CPU, so
+the build happens at prefill, not inside a decode step someone is timing. When it cannot be built, ``available``
 is false, a warning says why, and ``cpu.py`` dequantises blocks of slots for ``torch.matmul`` instead.
 """
 
@@ -76,7 +75,7 @@ def serves(bits: int, group: int) -> bool:
 def extension():
     """The compiled module (its import registers the ops' CPU kernels), built on the first call; ``None`` (after
     one warning) when it cannot be built."""
-    return build("evictlayers_int4_cpu", SOURCE, "int4 CPU kernel",
+    return build(SOURCE, "int4 CPU kernel",
                  "int4 decode on CPU dequantises blocks of slots for torch.matmul instead (same results, slower)")
 
 

@@ -4,8 +4,8 @@ Same signature and result as ``naive.py``. The split-K flash-decoding of ``decod
 key and value tiles read as codes: each program loads a block of packed bytes, their scales and zero
 points, unpacks and dequantises them in registers (``(code * scale + zero) * channel scale``, cast to the
 model dtype as the reference casts its dequantised copy) and feeds ``tl.dot`` directly, so no dense copy
-of the cache exists in memory (DESIGN.md "Storage": "the attention kernel reads the storage's layout and
-dequantises in registers"; lmdeploy's Triton attention does the same for int4 caches).
+of the cache exists in memory: the attention kernel reads the storage's own layout and dequantises in
+registers, as lmdeploy's Triton attention does for int4 caches.
 
 int4 codes hold channel ``2p`` in the low nibble and ``2p + 1`` in the high nibble of byte ``p``
 (``kernels/quantization.py``), so a key tile is two half tiles, even and odd channels, each multiplied
