@@ -16,11 +16,15 @@ take ``--budget``, ``--model`` and ``--threads`` the way these do.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
 
 __all__ = ["add_model_options", "budget_argument", "load_model", "main", "positive_int"]
+
+MIN_BUDGET_HELP = ("the fewest tokens per head a fractional budget resolves to (the recipe's min_budget, 32 "
+                   "unless it says otherwise; 1 turns the floor off)")
 
 # option -> tasks it applies to (None = all); defaults live in the task classes
 TASK_OPTIONS: dict[str, tuple[str, ...]] = {
@@ -116,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="budgets to sweep: a fraction of the prompt in (0, 1] (0.2, 20%%), tokens per head "
                          "(128), or 'full'; default: each recipe's own")
     ev.add_argument("--out", required=True, type=Path, help="directory for the results")
+    ev.add_argument("--min-budget", type=positive_int, default=None, metavar="N",
+                    help=MIN_BUDGET_HELP)
     add_model_options(ev)
     ev.add_argument("--devices", type=positive_int, default=1,
                     help="processes to shard the examples over (Lightning DDP on CPU; default 1)")
@@ -168,6 +174,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("recipe", metavar="RECIPE", help="shipped recipe name (evictlayers/recipes/) or a YAML path")
     gen.add_argument("prompt", help="the prompt text")
     gen.add_argument("--budget", type=budget_argument, default=None, help="override the recipe's budget")
+    gen.add_argument("--min-budget", type=positive_int, default=None, metavar="N", help=MIN_BUDGET_HELP)
     gen.add_argument("--max-new-tokens", type=positive_int, default=32)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the tokenizer's chat template")
     add_model_options(gen)
@@ -207,6 +214,13 @@ def load_model(name: str, prog: str = "evictlayers"):
         raise SystemExit(f"{prog}: error: --model {name}: {error}") from None
 
 
+def _with_floor(spec, min_budget: int | None):
+    """``spec`` with its policy's ``min_budget`` set to ``--min-budget`` where given."""
+    if min_budget is None:
+        return spec
+    return dataclasses.replace(spec, policy=spec.policy.replace(min_budget=min_budget))
+
+
 def _cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from evictlayers.compose import RecipeError
     from evictlayers.eval.report import markdown_table, write_results
@@ -215,7 +229,7 @@ def _cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     options = _task_options(args, parser)
     try:
-        specs = [resolve_recipe(r) for r in args.recipes]
+        specs = [_with_floor(resolve_recipe(r), args.min_budget) for r in args.recipes]
         expand_budgets(specs, args.budget)  # fails before the model loads
         texts = None
         if args.task in ("perplexity", "agreement") or (args.task == "ruler" and _ruler_reads_books(options)):
@@ -255,7 +269,7 @@ def _cmd_generate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     from evictlayers.eval.runner import resolve_recipe
 
     try:
-        spec = resolve_recipe(args.recipe)
+        spec = _with_floor(resolve_recipe(args.recipe), args.min_budget)
         policy = spec.policy if args.budget is None else spec.policy.replace(budget=args.budget)
     except (FileNotFoundError, RecipeError, ValueError, TypeError) as error:
         parser.error(str(error))

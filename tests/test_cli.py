@@ -12,18 +12,14 @@ import pytest
 import torch
 
 from evictlayers.cli import main
-from test_eval_helpers import char_tokenizer, teacher_forced_perplexity, tiny_llama
+from test_eval_helpers import char_tokenizer, save_tiny_checkpoint, teacher_forced_perplexity
 from tiny_models import single_thread  # noqa: F401
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny Llama and its character tokenizer, saved like any local checkpoint."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tok = char_tokenizer()
-    tiny_llama(len(tok)).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
 @pytest.fixture(scope="module")
@@ -105,14 +101,14 @@ def test_eval_writes_json_table_and_plots(capsys, checkpoint, books, tmp_path):
     out = tmp_path / "out"
     code = main(["eval", "full", "h2o", "local", "--task", "agreement", "--budget", "0.2", "0.5",
                  "--model", str(checkpoint), "--out", str(out), "--data-dir", str(books), "--n-docs", "2",
-                 "--doc-tokens", "65", "--no-progress", "--threads", "1"])
+                 "--doc-tokens", "65", "--no-progress", "--threads", "1", "--min-budget", "1"])
     assert code == 0
     printed = capsys.readouterr().out
     result = json.loads((out / "agreement.json").read_text())
     assert [r["label"] for r in result["runs"]] == ["full", "h2o@0.2", "h2o@0.5", "local@0.2", "local@0.5"]
     full = result["runs"][0]
     assert full["top1"] == 1.0 and abs(full["kl"]) < 1e-5
-    # 65-token documents stream 64 tokens; a budget is round_half_up(fraction * 64) tokens per head
+    # 65-token documents stream 64 tokens; a budget is round_half_up(fraction * 64) tokens per head, with no floor
     kept = {0.2: 13 / 64, 0.5: 32 / 64}
     for run in result["runs"][1:]:
         assert run["kept_fraction"] == kept[run["budget"]], run["label"]

@@ -42,6 +42,14 @@ def tiny_llama(vocab_size: int, seed: int = 0, attn_implementation: str = "sdpa"
     return model
 
 
+def save_tiny_checkpoint(path):
+    """A tiny Llama and its character tokenizer saved in ``path`` like any local checkpoint; returns ``path``."""
+    tok = char_tokenizer()
+    tiny_llama(len(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
 def test_char_tokenizer_round_trips():
     tok = char_tokenizer()
     text = "line torpid-kid: REGISTER_CONTENT is <4021>\nThe pass key is 12345."

@@ -16,7 +16,7 @@ from evictlayers.eval.suite import PasskeyTask
 from research.claims.__main__ import main as claims_main
 from research.needles import main as needles_main
 from research.passkey_needles import key_token_indices
-from test_eval_helpers import char_tokenizer, tiny_llama
+from test_eval_helpers import char_tokenizer, save_tiny_checkpoint
 from tiny_models import single_thread  # noqa: F401
 
 REPO = Path(__file__).resolve().parents[2]
@@ -25,11 +25,7 @@ REPO = Path(__file__).resolve().parents[2]
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny Llama and its character tokenizer, saved like any local checkpoint."""
-    path = tmp_path_factory.mktemp("tiny-llama")
-    tok = char_tokenizer()
-    tiny_llama(len(tok)).save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_checkpoint(tmp_path_factory.mktemp("tiny-llama"))
 
 
 def _table_rows(text: str) -> list[list[str]]:
