@@ -40,13 +40,9 @@ def sizes(quick: bool) -> tuple[list[tuple[int, int]], tuple[int, ...], int]:
 
 def skip_reason(context: Context) -> str | None:
     from evictlayers.kernels import linear_cpu
-    from evictlayers.kernels.cpu_extension import at_least, describe_level
 
-    if not at_least("avx512"):
-        return f"the op has loops only at the avx512 instruction-set level and above; this run's: {describe_level()}"
-    if not linear_cpu.available():
-        return "the op could not be built here (see the warning above)"
-    return None
+    why_not = linear_cpu.unavailable_reason()
+    return None if why_not is None else f"the op {why_not}"
 
 
 def bfloat16_skip_reason(config: str) -> str:

@@ -259,7 +259,7 @@ def test_cpu_linear_on_a_model_off_the_cpu_is_refused_and_a_non_bool_is_a_type_e
 def test_cpu_linear_where_the_op_cannot_run_warns_and_touches_no_linear(monkeypatch):
     # as where the op failed to build, or below AVX-512 (capping the instruction set, EVICTLAYERS_CPU_ISA=avx2,
     # would rebuild every other kernel of the patch for that level first)
-    monkeypatch.setattr(linear_cpu, "available", lambda: False)
+    monkeypatch.setattr(linear_cpu, "unavailable_reason", lambda: "could not be built here (see the warning above)")
     model = build("llama")
     why = r"(could not be built|has loops only at the avx512 instruction-set level and above; this run's: \w+)"
     with pytest.warns(UserWarning, match=rf"cpu_linear=True\): the few-rows op {why}.*same logits"):

@@ -28,7 +28,6 @@ from evictlayers.hf.rotary import model_rotary_tables
 from evictlayers.hf.sentences import sentence_end_table
 from evictlayers.hf.support import attention_implementation, model_support
 from evictlayers.kernels import linear_cpu
-from evictlayers.kernels.cpu_extension import at_least, describe_level
 from evictlayers.kernels.decode import slots_cpu
 from evictlayers.kernels.prefill import mass_cpu
 
@@ -75,12 +74,11 @@ class EvictionRun:
         self.model, self.policy, self.compile = model, policy, compile
         # built (or loaded) here, not inside the first step someone times; where it cannot run, the linear layers
         # keep BLAS, which computes the same logits
-        self.cpu_linear = cpu_linear and linear_cpu.available()
-        if cpu_linear and not self.cpu_linear:
-            why = (f"has loops only at the avx512 instruction-set level and above; this run's: {describe_level()}"
-                   if not at_least("avx512") else "could not be built (see the warning above)")
+        why_not = linear_cpu.unavailable_reason() if cpu_linear else None
+        self.cpu_linear = cpu_linear and why_not is None
+        if why_not is not None:
             warnings.warn(
-                f"evictlayers.apply(cpu_linear=True): the few-rows op {why}; the linear layers keep their own "
+                f"evictlayers.apply(cpu_linear=True): the few-rows op {why_not}; the linear layers keep their own "
                 "forward (BLAS), with the same logits",
                 stacklevel=3,
             )

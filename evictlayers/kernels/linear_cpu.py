@@ -54,16 +54,23 @@ def extension():
                  "the compiled decode forward's linear layers run BLAS instead (same results, slower)")
 
 
-def available() -> bool:
-    """Whether the op has its AVX-512 loops here: the instruction-set level (``kernels/cpu_extension.py``) is
-    ``avx512`` or higher and the op is built (on the first call). Below ``avx512`` nothing is built: the op would
-    compute ``at::linear``."""
-    from evictlayers.kernels.cpu_extension import at_least
+def unavailable_reason() -> str | None:
+    """Why the op has no AVX-512 loops here, to follow "the op ...": the instruction-set level
+    (``kernels/cpu_extension.py``) is below ``avx512``, where nothing is built (the op would compute
+    ``at::linear``), or the build failed (on the first call); ``None`` where it has them."""
+    from evictlayers.kernels.cpu_extension import at_least, describe_level
 
     if not at_least("avx512"):
-        return False
+        return f"has loops only at the avx512 instruction-set level and above; this run's: {describe_level()}"
     module = extension()
-    return module is not None and module.vectorised()
+    if module is None or not module.vectorised():
+        return "could not be built here (see the warning above)"
+    return None
+
+
+def available() -> bool:
+    """Whether the op has its AVX-512 loops here (``unavailable_reason`` says why not)."""
+    return unavailable_reason() is None
 
 
 def served_dtypes() -> tuple[torch.dtype, ...]:
