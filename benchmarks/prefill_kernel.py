@@ -5,10 +5,14 @@ per prompt length and batch:
 
 - ``sdpa``: ``scaled_dot_product_attention(is_causal=True, enable_gqa=True)``, what transformers' default
   path runs (a flash kernel on a GPU); baseline of ``time_us``;
-- ``prefill_no_mass``: ``evictlayers.kernels.dispatch.prefill_attention`` with ``need_mass=False`` (what a
-  policy that reads no mass at prefill runs);
+- ``prefill_no_mass``: the Triton kernel, ``attention_with_mass_triton`` with ``need_mass=False`` (what a
+  policy that reads no mass at prefill ran on CUDA before the fused backend, and still runs where that
+  backend hands inputs on);
 - ``prefill_mass``: the same with every key's probability mass, what H2O, AhaKV and TOVA score with (the
   kernel chooses one pass or two for the shape, ``prefill/triton.py``'s ``passes_for``);
+- ``fused_no_mass`` and ``fused_mass``: the same two through ``attention_with_mass_fused``, what
+  ``dispatch.prefill_attention`` runs on CUDA: PyTorch's FlashAttention-2 for the output and LSE, then (with
+  the mass) the Triton mass pass;
 - ``mass_two_passes``: ``attention_with_mass_triton(passes=2)``, the output first, then each key's mass from
   the logits recomputed;
 - ``mass_one_pass``: ``attention_with_mass_triton(passes=1)``, output and mass from the same logits, with
@@ -28,7 +32,8 @@ NAME = "prefill_kernel"
 DEFAULT_REPEATS = 5
 Q_HEADS, KV_HEADS, HEAD_DIM = 9, 3, 64
 DTYPE = torch.bfloat16
-CONFIGS = ("sdpa", "prefill_no_mass", "prefill_mass", "mass_two_passes", "mass_one_pass")
+CONFIGS = ("sdpa", "prefill_no_mass", "prefill_mass", "fused_no_mass", "fused_mass", "mass_two_passes",
+           "mass_one_pass")
 ONE_PASS_SCRATCH = 1 << 30
 
 
@@ -42,7 +47,7 @@ def skip_reason(context: Context) -> str | None:
 
 
 def cases(context: Context) -> list[Case]:
-    from evictlayers.kernels.dispatch import prefill_attention
+    from evictlayers.kernels.prefill.fused import attention_with_mass_fused
     from evictlayers.kernels.prefill.triton import attention_with_mass_triton
 
     lengths, batches, warmup, steps = sizes(context.settings.quick)
@@ -66,8 +71,9 @@ def cases(context: Context) -> list[Case]:
                                                passes=1 if config == "mass_one_pass" else 2,
                                                max_chunk_elements=ONE_PASS_SCRATCH)
                 else:
-                    prefill_attention(query, keys, values, query_pos, key_pos, scaling=HEAD_DIM**-0.5,
-                                      need_mass=config == "prefill_mass")
+                    kernel = attention_with_mass_fused if config.startswith("fused_") else attention_with_mass_triton
+                    kernel(query, keys, values, query_pos, key_pos, scaling=HEAD_DIM**-0.5,
+                           need_mass=not config.endswith("no_mass"))
 
         with torch.inference_mode():
             seconds, _ = timed_blocks(step, warmup, steps, repeats, sync=torch.cuda.synchronize)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import json
 import os
 import platform
 import sys
@@ -14,13 +15,15 @@ from pathlib import Path
 
 import torch
 
-from benchmarks import cpu_kernel, cpu_linear, decode, kernel, memory, overhead, prefill, prefill_kernel, report
+from benchmarks import (
+    cpu_kernel, cpu_linear, decode, gpu_decode, kernel, memory, overhead, prefill, prefill_kernel, report,
+)
 from benchmarks.common import DEFAULT_MODEL, MODELS, RESULTS_DIR, Context, Settings, cpu_count
 
 # the order they run in: the quick ones first, so a broken setup shows within seconds
 FAMILIES = {
     module.NAME: module
-    for module in (memory, overhead, decode, prefill, cpu_kernel, cpu_linear, kernel, prefill_kernel)
+    for module in (memory, overhead, decode, prefill, cpu_kernel, cpu_linear, kernel, prefill_kernel, gpu_decode)
 }
 
 
@@ -181,14 +184,41 @@ def run(settings: Settings, names: list[str]) -> dict:
                 rows.append(run_case(case))
                 report.add_ratios(rows)
                 progress.finish(report.line(name, rows[-1]))
-            results[name] = {"status": "ok", "env": env, "quick": settings.quick, **subject_of(FAMILIES[name], context),
-                             "seconds": time.perf_counter() - start, "rows": rows}
+                results[name] = {"status": "ok", "env": env, "quick": settings.quick,
+                                 **subject_of(FAMILIES[name], context), "seconds": time.perf_counter() - start,
+                                 "rows": rows}
+                if settings.out is not None and own_results_file(name):
+                    # a long family on a lent GPU: what it measured so far survives a timeout
+                    write_own(document(settings, env, results), name, settings.out)
             del cases
             gc.collect()
     finally:
         progress.close()
+    return document(settings, env, results)
+
+
+def document(settings: Settings, env: dict, results: dict) -> dict:
+    """The results document of a run (``report`` describes it)."""
     return {"schema": report.SCHEMA, "machine": machine_slug(settings.model), "model": settings.model, "env": env,
             "benchmarks": results}
+
+
+def own_results_file(name: str) -> bool:
+    """Whether family ``name`` writes a results file of its own, ``<machine>-<RESULTS_SUFFIX>.json``/``.md`` with
+    its ``markdown`` (``gpu_decode``: ``cuda-<gpu>-e2e``, beside the kernel results of ``cuda-<gpu>.json``)."""
+    return getattr(FAMILIES[name], "RESULTS_SUFFIX", None) is not None
+
+
+def write_own(results: dict, name: str, out: Path) -> tuple[Path, Path]:
+    """Write family ``name``'s own results file from the run's document (replacing an earlier one)."""
+    family = FAMILIES[name]
+    machine = f"{machine_slug()}-{family.RESULTS_SUFFIX}"  # the family builds its own models: no --model suffix
+    own = {**results, "machine": machine, "benchmarks": {name: results["benchmarks"][name]}}
+    out.mkdir(parents=True, exist_ok=True)
+    json_path, md_path = out / f"{machine}.json", out / f"{machine}.md"
+    json_path.write_text(json.dumps(own, indent=1) + "\n")
+    md_path.write_text(family.markdown(own))
+    return json_path, md_path
 
 
 def subject_of(family, context: Context) -> dict:
@@ -212,8 +242,13 @@ def main(argv: list[str] | None = None) -> dict:
     finally:
         torch.set_num_threads(previous_threads)
     for name, result in results["benchmarks"].items():
-        print(f"\n## {name}\n\n{report.table(result) if result['status'] == 'ok' else 'skipped: ' + result['reason']}")
+        table = getattr(FAMILIES[name], "table", report.table)
+        print(f"\n## {name}\n\n{table(result) if result['status'] == 'ok' else 'skipped: ' + result['reason']}")
     if settings.out is not None:
-        json_path, md_path = report.write(results, settings.out)
-        print(f"\nwrote {json_path} and {md_path}")
+        shared = {name: r for name, r in results["benchmarks"].items() if not own_results_file(name)}
+        written = [report.write({**results, "benchmarks": shared}, settings.out)] if shared else []
+        written += [write_own(results, name, settings.out) for name, r in results["benchmarks"].items()
+                    if own_results_file(name) and r["status"] == "ok"]  # not a file that only says skipped
+        for json_path, md_path in written:
+            print(f"\nwrote {json_path} and {md_path}")
     return results

@@ -36,16 +36,21 @@ def quick_run(tmp_path_factory):
 def test_quick_run_writes_json_and_markdown_for_this_machine(quick_run):
     out, returned = quick_run
     files = sorted(p.name for p in out.iterdir())
-    assert files == [f"{returned['machine']}.json", f"{returned['machine']}.md"]
-    written = json.loads((out / f"{returned['machine']}.json").read_text())
-    assert written == json.loads(json.dumps(returned))
+    machine = returned["machine"]
+    # gpu_decode has a file of its own, beside the kernel results
+    assert files == sorted([f"{machine}.json", f"{machine}.md", f"{machine}-e2e.json", f"{machine}-e2e.md"])
+    written = json.loads((out / f"{machine}.json").read_text())
+    shared = {name: r for name, r in returned["benchmarks"].items() if name != "gpu_decode"}
+    assert written == json.loads(json.dumps({**returned, "benchmarks": shared}))
     assert written["schema"] == report.SCHEMA
     for key in ("date", "torch", "transformers", "threads", "cpu_count"):
         assert key in written["env"]
     assert written["env"]["threads"] == 1
-    markdown = (out / f"{returned['machine']}.md").read_text()
-    for name in FAMILIES:
+    markdown = (out / f"{machine}.md").read_text()
+    for name in shared:
         assert f"## {name}" in markdown
+    e2e = json.loads((out / f"{machine}-e2e.json").read_text())
+    assert e2e["machine"] == f"{machine}-e2e" and list(e2e["benchmarks"]) == ["gpu_decode"]
 
 
 def legitimately_skipped(row: dict) -> bool:
@@ -439,3 +444,81 @@ def test_decode_loop_hands_every_step_the_mask_in_one_layout():
             loop()
     assert [m.shape[1] for m in masks] == [6, 7, 8]
     assert len({(m.stride(), m.is_contiguous()) for m in masks}) == 1
+
+
+# ---- gpu_decode: end-to-end decode (CUDA; a tiny random Llama on CPU with --quick) -------------------
+
+
+@pytest.fixture(scope="module")
+def gpu_decode_run(tmp_path_factory):
+    """``--quick --only gpu_decode`` with compilation: every configuration at the tiny shape, the compiled ones
+    compiled on CPU."""
+    out = tmp_path_factory.mktemp("e2e")
+    return out, main(["--quick", "--threads", "1", "--only", "gpu_decode", "--out", str(out)])
+
+
+def test_gpu_decode_quick_runs_every_configuration_and_the_chunked_prompt(gpu_decode_run):
+    from benchmarks import gpu_decode
+
+    out, returned = gpu_decode_run
+    rows = {r["config"]: r for r in returned["benchmarks"]["gpu_decode"]["rows"]}
+    assert set(rows) == set(gpu_decode.CONFIGS) | {gpu_decode.CHUNKED}
+    assert all(r["status"] == "ok" for r in rows.values()), [r for r in rows.values() if r["status"] != "ok"]
+    for config, (_, compiled) in gpu_decode.CONFIGS.items():
+        info, metrics = rows[config]["info"], rows[config]["metrics"]
+        assert metrics["tokens_per_s"]["ratio"] is not None and metrics["prefill_ms"]["ratio"] is not None
+        assert info["kv_mib"] > 0
+        assert info["p10_ms"] <= metrics["ms_per_step"]["value"] <= info["p90_ms"]
+        assert info["peak_mib"] is None  # CUDA only
+        if compiled:  # compiled in the warm-up steps, none while timed
+            assert info["compile_s"] > 0 and info["graphs"] >= 1 and info["timed_graphs"] == 0, config
+            assert info["cudagraphs"] == 0
+    # reduce-overhead asks for CUDA graphs, which inductor skips on a CPU, and says so
+    assert rows["hf-static-compiled"]["info"]["cudagraph_skips"] >= 1
+    assert rows["el-h2o"]["info"]["kv_mib"] < rows["hf-sdpa"]["info"]["kv_mib"]
+    # the chunked prompt: every token fed, and the cache holds the budget, not the prompt
+    chunked = rows[gpu_decode.CHUNKED]
+    plan = gpu_decode.QUICK_CHUNKED
+    per_token = gpu_decode.kv_bytes_per_token("tiny", element_bytes=4)
+    assert chunked["params"]["prompt"] == plan.prompt
+    assert plan.budget * per_token <= chunked["info"]["kv_mib"] * 2**20 < (plan.budget + plan.chunk) * per_token
+    # its own results files, named after the machine, a table with every configuration under the columns' meaning
+    machine = returned["machine"]
+    assert sorted(p.name for p in out.iterdir()) == [f"{machine}-e2e.json", f"{machine}-e2e.md"]
+    markdown = (out / f"{machine}-e2e.md").read_text()
+    assert "`of bw`" in markdown and f"`{gpu_decode.CHUNKED}`" in markdown
+    assert all(f"| {config} |" in markdown for config in gpu_decode.CONFIGS)
+
+
+def test_gpu_decode_needs_cuda_without_quick(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    returned = main(["--threads", "1", "--only", "gpu_decode", "--out", str(tmp_path)])
+    result = returned["benchmarks"]["gpu_decode"]
+    assert result["status"] == "skipped" and "needs CUDA" in result["reason"]
+    assert not list(tmp_path.iterdir())  # no results file that only says skipped
+
+
+def test_gpu_decode_plan_runs_the_main_size_first_and_follows_prompts():
+    from benchmarks import gpu_decode
+    from benchmarks.common import Context, Settings
+
+    planned = [(c.config, c.params["layers"], c.params["prompt"], c.params["batch"])
+               for c in gpu_decode.cases(Context(Settings()))]
+    first = [(config, 16, 8192, 8) for config in gpu_decode.CONFIGS]
+    assert planned[: len(first)] == first and planned[len(first)] == (gpu_decode.CHUNKED, 16, 131072, 1)
+    assert (("el-h2o-compiled", 32, 4096, 1)) in planned  # the 8B shape
+    # --prompts: the 1B shape at those lengths, batch 65536 // prompt (1 to 8)
+    planned = {(c.config, c.params["prompt"], c.params["batch"])
+               for c in gpu_decode.cases(Context(Settings(prompts=(16384, 131072))))}
+    assert {("el-h2o", 16384, 4), ("hf-sdpa", 131072, 1)} <= planned
+
+
+def test_gpu_decode_skips_a_row_past_the_time_budget():
+    from benchmarks import gpu_decode
+    from benchmarks.common import Context, Settings
+
+    bench = gpu_decode.Bench(Context(Settings()))
+    assert bench.guarded("el-h2o", {"prompt": 1}, lambda: 1.0, lambda: "measured") == "measured"
+    late = bench.guarded("el-h2o", {"prompt": 1}, lambda: gpu_decode.TIME_BUDGET_S, lambda: "measured")
+    assert late["status"] == "skipped" and "time budget" in late["reason"] and "--configs el-h2o" in late["reason"]

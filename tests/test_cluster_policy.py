@@ -39,7 +39,7 @@ def kcenter(budget=8, recent=3) -> el.Policy:
 
 
 def decode_loop(model, policy, steps: int, compile: bool = False, ids=None, mask=None, after_step=None):
-    """``([steps + 1, B, vocab]`` last-token logits of a greedy manual loop, ``run.stats()``, cache);
+    """``([steps + 1, B, vocab]`` last-token logits of a greedy manual loop, ``run.cache.stats()``, cache);
     ``after_step(step, run, cache)`` is called after every decode step (``step`` from 1)."""
     if ids is None:
         ids, mask = left_padded(LENGTHS)
@@ -55,7 +55,7 @@ def decode_loop(model, policy, steps: int, compile: bool = False, ids=None, mask
             logits.append(out.logits[:, -1])
             if after_step is not None:
                 after_step(step, run, cache)
-        return torch.stack(logits), run.stats(), cache
+        return torch.stack(logits), run.cache.stats(), cache
 
 
 def step_logits(out) -> torch.Tensor:

@@ -37,7 +37,7 @@ def decode_logits(model, policy, compile: bool, steps: int = STEPS, device: str 
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
             out = model(input_ids=token, attention_mask=mask, past_key_values=cache, use_cache=True)
             logits.append(out.logits[:, -1].float().cpu())
-        stats = run.stats()
+        stats = run.cache.stats()  # the cache's, which must not depend on compile (run.stats() adds the path)
     return torch.stack(logits), stats
 
 
@@ -86,9 +86,9 @@ def test_one_graph_no_recompiles_same_logits_as_eager(name):
     torch._dynamo.reset()
     counters.clear()
     compiled, stats = decode_logits(model, policy, compile=True)
-    # the whole decode forward (hf/compiled_forward.py): the first step's graph holds the step count as a
-    # constant, the second is generic over it, and no step after compiles another
-    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])
+    # the whole decode forward (hf/compiled_forward.py): one graph, which holds nothing that counts the steps,
+    # so no step after the first compiles another
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
     assert stats == eager_stats
     budget_rows = [10, 10] if name.startswith("h2o") else [10, 7]  # 0.5 of each row's prompt, rounded half up

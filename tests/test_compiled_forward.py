@@ -107,19 +107,21 @@ def test_a_full_cache_in_position_order_decodes_as_one_graph_with_the_models_log
     assert torch.equal(out.sequences, unmodified.sequences)
 
 
-def test_a_padded_full_cache_decodes_layer_by_layer(paths):
+def test_a_padded_full_cache_decodes_as_one_graph_over_all_its_slots(paths):
+    # a padded prompt leaves the slots out of position order: the graph attends over every slot, the empty
+    # ones masked by position, as a bounded cache does
     model, policy = build("llama"), el.load_recipe("full")
     eager_tokens, eager_logits = generated(model, policy, compile=False, new_tokens=12)
     torch._dynamo.reset()
     tokens, logits = generated(model, policy, compile=True, new_tokens=12)
-    assert not any(paths)  # a padded prompt leaves the slots out of position order: each layer's own step
+    assert paths == [False] + [True] * 11
     torch.testing.assert_close(logits, eager_logits, rtol=1e-4, atol=1e-4)
     assert torch.equal(tokens, eager_tokens)
 
 
 def test_a_padded_step_ends_the_full_caches_graph(paths):
     # a step whose token is padding in one row cannot keep that row's slots in order: the forward reads the
-    # mask before taking the graph, and the step and every later one run layer by layer, as eagerly
+    # mask before taking the graph, and runs that step layer by layer
     model, policy = build("llama"), el.load_recipe("full")
     ids, mask = left_padded([40, 40])
     torch.manual_seed(3)
@@ -138,7 +140,8 @@ def test_a_padded_step_ends_the_full_caches_graph(paths):
                 seen = torch.cat([mask, real[:, : i + 1]], dim=1)
                 steps.append(model(tokens[:, i : i + 1], attention_mask=seen, past_key_values=cache).logits)
         logits[compile] = torch.cat(steps, dim=1)
-    assert paths == [False, True, False, False, False]
+    # in order until the padded step, which runs layer by layer; after it the graph attends over every slot
+    assert paths == [False, True, False, True, True]
     torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)
 
 

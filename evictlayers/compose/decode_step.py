@@ -49,7 +49,7 @@ def decode_step(
     """Insert one token per row, attend, score and evict, writing the store's tensors in place.
 
     Reads and writes ``store.kv`` (at least one free slot per head), ``store.pos``, ``store.state``,
-    ``store.ranks`` (rolling positions) and ``store.sketch`` in place, and sets ``store.seen``; reads
+    ``store.ranks`` (rolling positions) and ``store.sketch`` in place, and ``store.seen``; reads
     ``store.policy``, ``store.budget`` and ``store.most`` (the victims' sort width, fixed at prefill).
 
     Args:
@@ -114,8 +114,7 @@ def decode_step(
         )
     if sinks is not None:
         out = apply_attention_sinks(out, attention.lse[:, :, None], sinks)
-    seen = store.seen + real[:, 0].long()
-    store.seen = seen
+    seen = store.seen.add_(real[:, 0].long())  # in place: a captured graph writes only buffers it was given
     view = SlotView(pos=pos, seen=seen, budget=budget, keys=keys, window=sliding_window)
     mass_rows = attention.mass[:, :, None]  # [B, H, 1, N]: the one query row is the step's whole mass
     if not policy.rows_needed:

@@ -34,8 +34,8 @@ class Policy(nn.Module):
     ``Policy(*modules, budget=...)``: protections (``RecentWindow``, ``SinkTokens``) take their slots
     first; an optional selector (``HeavyHitterSelector``) fills the rest by score; without a selector the
     unprotected slots go to the most recent tokens. ``budget`` is an ``int`` number of tokens per KV
-    head, a ``float`` in ``(0, 1]`` (that fraction of each row's prompt, rounded half up, fixed once
-    the prompt is seen: "the first forward call"), or ``None`` for a full cache that never evicts.
+    head, a ``float`` in ``(0, 1]`` (that fraction of each row's whole prompt, rounded half up, fixed at
+    the cache's first forward, even for a prompt fed in chunks: ``EvictionRun.prefill``), or ``None`` for a full cache that never evicts.
     ``gqa_reduce`` combines the attention mass of the query heads sharing a KV head (sum/mean/max).
     ``storage`` is how the slots hold their keys and values: ``DenseKV()`` (the default, the model
     dtype) or ``QuantizedKV(bits, group, residual)``.

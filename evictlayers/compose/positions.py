@@ -44,6 +44,10 @@ class RotaryTable:
         self.compute = compute
         self._tables: dict[tuple[torch.device, torch.dtype], tuple[torch.Tensor, torch.Tensor]] = {}
 
+    def tables(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every ``(cos, sin)`` table built so far (one per device and dtype)."""
+        return list(self._tables.values())
+
     def rows(self, count: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[N, R]`` with ``N >= count`` rows: position ``p`` is row ``p``."""
         key = (torch.device(device), dtype)

@@ -117,6 +117,14 @@ class SlotStore:
         # yet); None for a policy that does not rank sentences, so the steps need not ask the policy again
         self.last_sentence_end: torch.Tensor | None = None
         self.budget: torch.Tensor | None = None  # [B] tokens per head, None = unbounded
+        # the real tokens of each row's whole prompt, where the caller knows them before the first step (a
+        # prompt fed in chunks: ``EvictionCache.declare_prompt``): an int (every row) or [B]; None = unknown, and
+        # a float budget is then a fraction of the first step's real tokens
+        self.prompt_len: int | torch.Tensor | None = None
+        # whether a declared prompt is still being fed: until each row has fed its prompt_len real tokens every
+        # step is a chunk of it (a one-token chunk included: prefill_step, never a decode step); a host flag, so
+        # a decode step reads no tensor to know
+        self.in_prompt = False
         self.seq_len = 0  # columns fed so far, padding included (what transformers calls tokens seen)
         # ClusterSketch: the evicted tokens of every (row, KV head), fixed-size buffers
         self.sketch: SketchState | None = None
@@ -265,6 +273,12 @@ class SlotStore:
         fixes the budget and allocates the sketch, then a one-token step goes to ``_decode`` and any other
         (a prompt, a chunk of one, the first step whatever its length) to ``prefill_step``.
 
+        The budget is resolved at the first step from each row's prompt length: the declared ``prompt_len``
+        where the caller gave one (a prompt fed in chunks), else the first step's real tokens. With a
+        declared prompt every step until each row has fed it is a chunk of it, one token long or not
+        (``prefill_step`` keeps exactly the budget, as one step over the whole prompt does; a decode step
+        would drop ``drop`` at once), and a step that feeds a row past it raises ``ValueError``.
+
         Args:
             query: ``[B, H_q, Q, D]``; key/value: ``[B, H_kv, Q, D]`` for the ``Q`` new tokens.
             real: ``[B, Q]`` bool, ``False`` for padding tokens (never stored); ``None`` = all real.
@@ -290,11 +304,16 @@ class SlotStore:
                 f"layer {self.layer_idx}: the attention call passed sliding_window={sliding_window}, but the "
                 f"model's cache layer has a window of {self.window} tokens"
             )
-        if self.seen is None:
+        first = self.seen is None
+        if first:
             self.seen = torch.zeros(batch, dtype=torch.long, device=key.device)
+            prompt = real.sum(1)
+            if self.prompt_len is not None:  # a declared prompt: the budget is a fraction of all of it
+                self.prompt_len = self._declared_prompt(batch, key.device)
+                prompt = self.prompt_len
             # the mask follows the call's sliding_window; the cap, the cache layer's window (transformers
             # sizes its own sliding cache layers by it even where a model's mask does not slide)
-            self.budget = self._layer_budget(real.sum(1), self.window or sliding_window)
+            self.budget = self._layer_budget(prompt, self.window or sliding_window)
             self._allocate_sketch(key, value, sliding_window)
             if self.policy.reads_sentences:
                 self.last_sentence_end = torch.full_like(self.seen, -1)
@@ -307,18 +326,45 @@ class SlotStore:
             )
         sentence_start = None
         if self.last_sentence_end is not None:  # a policy that ranks sentences; any other pays nothing here
-            sentence_start, self.last_sentence_end = sentence_starts(
+            sentence_start, last_end = sentence_starts(
                 token_positions(self.seen, real), sentence_ends, self.last_sentence_end
             )
-        if q_len == 1 and self.kv is not None:
+            self.last_sentence_end.copy_(last_end)  # in place: a captured decode graph writes only its buffers
+        if q_len == 1 and self.kv is not None and not self.in_prompt:
             return self._decode(
                 query, key, value, real, scaling=scaling, softcap=softcap, sliding_window=sliding_window, sinks=sinks,
                 sentence_start=sentence_start,
             )
-        return prefill_step(
+        in_prompt = self.prompt_len is not None and (first or self.in_prompt)
+        if in_prompt:
+            fed = self.seen + real.sum(1)
+            over = fed > self.prompt_len
+            if bool(over.any()):
+                row = int(over.nonzero()[0])
+                raise ValueError(
+                    f"row {row} has fed {int(fed[row])} real prompt tokens by this step, but the cache was told its "
+                    f"prompt has {int(self.prompt_len[row])}: declare the whole prompt's real tokens per row "
+                    "(attention_mask.sum(1)), not its columns or a chunk's"
+                )
+        out = prefill_step(
             self, query, key, value, real, scaling=scaling, softcap=softcap, sliding_window=sliding_window,
             sinks=sinks, sentence_start=sentence_start,
         )
+        if in_prompt:  # one host read per chunk of a declared prompt; none once it is fed
+            self.in_prompt = bool((self.seen < self.prompt_len).any())
+        return out
+
+    def _declared_prompt(self, batch: int, device: torch.device) -> torch.Tensor:
+        """``prompt_len`` as ``[B]`` int64 on ``device``, checked against the first step's batch."""
+        declared = self.prompt_len
+        if isinstance(declared, int):
+            return torch.full((batch,), declared, dtype=torch.long, device=device)
+        if declared.shape != (batch,):
+            raise ValueError(
+                f"the cache was told the prompt lengths of {declared.shape[0]} rows, but its first step has batch "
+                f"size {batch}"
+            )
+        return declared.to(device=device, dtype=torch.long)
 
     def _layer_budget(self, prompt_len: torch.Tensor, sliding_window: int | None) -> torch.Tensor | None:
         """``[B]`` tokens per head: the policy's budget, capped at ``sliding_window - 1`` on a sliding
@@ -336,16 +382,17 @@ class SlotStore:
     def decodes_in_place(self) -> bool:
         """Whether the next one-token step writes into the slot buffers as they are, through ops that may be
         compiled on this device, so that a whole model's decode forward can be one compiled graph
-        (``hf/compiled_forward.py``). The buffers exist (a first step allocated them), and either a budget or
-        window bounds the layer (its buffers never grow: ``decode_step``) or an unbounded layer keeps its
-        slots in position order (``decode_in_order``) with a free slot for the token (``make_room`` grows
-        it first). Not with a ClusterSketch: its coin table is remade every few steps (``_step_coins``), a
-        branch that would compile the whole model twice more."""
+        (``hf/compiled_forward.py``). The buffers exist (a first step allocated them) and have a free slot for
+        the token (``make_room`` grows a full layer first): a budget or window bounds the layer (its buffers
+        never grow), or an unbounded layer attends over all its slots, empty ones masked (``decode_step``), or
+        keeps its slots in position order (``decode_in_order``, on CPU). Not with a ClusterSketch: its coin
+        table is remade every few steps (``_step_coins``), a branch that would compile the whole model twice
+        more."""
         if self.kv is None or self.sketch is not None:
             return False
         if self.filled is not None:  # the in-order path runs on CPU only (``prefill_step``'s ``_in_order``)
             return self.filled < self.capacity
-        return self.budget is not None and (self.pos.device.type != "cuda" or self.kv.compiles_on_cuda)
+        return self.pos.device.type != "cuda" or self.kv.compiles_on_cuda
 
     def make_room(self) -> None:
         """Give an unbounded (full) store that has no free slot left after the next token a few more
@@ -359,13 +406,14 @@ class SlotStore:
     def _decode(self, query, key, value, real, **attention_kwargs) -> torch.Tensor:
         """One token per row into the fixed slot buffers (``decode_step``, compiled when asked;
         ``decode_in_order`` for a cache kept in position order)."""
-        self.make_room()
+        if not torch.compiler.is_compiling():  # the compiled forward made room before its graph
+            self.make_room()
         in_order = self.filled is not None and (self.unpadded_step or bool(real.all()))
         # what else ``prefill_step`` asks to keep the order (``_in_order``) cannot change after the first
         # step: only padding can end the order here
         if in_order:
             out = decode_in_order(self, query, key, value, **attention_kwargs)
-            self.seq_len += 1
+            self.count_step()
             return out
         self.filled = None
         if self.compile and key.is_cuda and not self.kv.compiles_on_cuda:
@@ -387,8 +435,14 @@ class SlotStore:
                 f"a component needs something torch.compile(fullgraph=True) cannot trace ({error}). Run it "
                 "with compile=False, or make the component's per-step code fixed-shape"
             ) from error
-        self.seq_len += 1
+        self.count_step()
         return out
+
+    def count_step(self) -> None:
+        """One more column seen. Inside the compiled decode forward it is counted after the graph
+        (``CompiledDecodeForward``): a count read inside would be a constant of the graph, traced again next step."""
+        if not torch.compiler.is_compiling():
+            self.seq_len += 1
 
     # ---- the ClusterSketch of evicted tokens ----------------------------------------------------
 

@@ -96,6 +96,11 @@ class EvictionLayer(CacheLayerMixin):
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         retained = self.store.capacity
+        if torch.compiler.is_compiling():
+            # evictlayers' mask function builds nothing from these (slots are masked by position) and its
+            # attention reads no mask: inside the compiled decode forward, sizes that do not count the steps
+            # keep the graph from being specialised on the step (see EvictionCache.get_query_offset)
+            return retained + query_length, 0
         return retained + query_length, self.store.seq_len - retained
 
     def get_max_length(self) -> int:
@@ -169,7 +174,10 @@ class EvictionCache(Cache):
     def __init__(
         self, policy: Policy, num_layers: int, compile: bool = False,
         rotary: RotaryTable | dict[int, RotaryTable] | None = None, support: ModelSupport | None = None,
+        prompt_len: int | torch.Tensor | None = None,
     ):
+        """``prompt_len``: the real tokens of each row's whole prompt, for a prompt fed in chunks
+        (``declare_prompt``); ``None``: not known."""
         if support is not None and support.num_layers != num_layers:
             raise ValueError(f"EvictionCache: num_layers={num_layers} but the model has {support.num_layers} layers")
         layers = []
@@ -198,6 +206,64 @@ class EvictionCache(Cache):
                     ))
         super().__init__(layers=layers)
         self.policy = policy
+        # whether a one-token forward has run on this cache after its prompt (set by evictlayers.apply's hook):
+        # a multi-token forward after it continues the cache, one before it is a chunk of the prompt
+        self.decoded = False
+        if prompt_len is not None:
+            self.declare_prompt(prompt_len)
+
+    def declare_prompt(self, prompt_len: int | torch.Tensor) -> None:
+        """Tell the cache, before its first forward, how many real tokens each row's whole prompt has (an
+        ``int`` for every row, or ``[B]``, e.g. ``attention_mask.sum(1)``), so that a prompt fed in chunks
+        resolves a ``float`` budget from all of it at the first chunk, every layer as one forward of the whole
+        prompt would. Until each row has fed that many real tokens every forward is a chunk of the prompt (a
+        one-token chunk too); feeding a row past it in the prompt raises ``ValueError``. ``generate()`` and
+        ``run.prefill`` declare it themselves."""
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, (int, torch.Tensor)):
+            raise TypeError(
+                f"prompt_len={prompt_len!r}: expected an int (real tokens of every row's prompt) or a 1-D integer "
+                "tensor of one length per row (attention_mask.sum(1))"
+            )
+        if isinstance(prompt_len, torch.Tensor):
+            if prompt_len.dim() != 1 or prompt_len.is_floating_point() or prompt_len.dtype == torch.bool:
+                raise ValueError(
+                    f"prompt_len: expected a 1-D integer tensor of one length per row, got {prompt_len.dtype} of shape "
+                    f"{tuple(prompt_len.shape)}"
+                )
+            if bool((prompt_len < 0).any()):
+                raise ValueError(f"prompt_len: lengths must be >= 0, got {prompt_len.tolist()}")
+            prompt_len = prompt_len.detach().long().clone()
+        elif prompt_len < 1:
+            raise ValueError(f"prompt_len={prompt_len}: a prompt has at least one token")
+        if self.get_seq_length() > 0:
+            raise ValueError(
+                f"this cache already holds {self.get_seq_length()} tokens: declare the prompt's length before its "
+                "first forward (run.new_cache(prompt_len=...))"
+            )
+        for layer in self.layers:
+            if isinstance(layer, EvictionLayer):
+                layer.store.prompt_len = prompt_len
+
+    def reset(self) -> None:
+        """Forget every token and the declared prompt: the next forward starts a new prompt."""
+        super().reset()
+        self.decoded = False
+
+    @property
+    def prompt_declared(self) -> bool:
+        """Whether the cache was told its prompt's length (``declare_prompt``)."""
+        return any(layer.store.prompt_len is not None for layer in self.layers if isinstance(layer, EvictionLayer))
+
+    @property
+    def in_prompt(self) -> bool:
+        """Whether a declared prompt is still being fed (its next forward is a chunk of it)."""
+        return any(layer.store.in_prompt for layer in self.layers if isinstance(layer, EvictionLayer))
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        """The tokens seen, which transformers' mask builders read; 0 inside the compiled decode forward, where
+        only evictlayers' mask function (which builds nothing from it) reads it and a count that grows every
+        step would be a constant of the graph, compiled again at the next step."""
+        return 0 if torch.compiler.is_compiling() else super().get_query_offset(layer_idx)
 
     @staticmethod
     def _board(policy: Policy, num_layers: int, support: ModelSupport | None) -> CrossLayerBoard | None:

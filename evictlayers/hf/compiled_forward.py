@@ -30,9 +30,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
+import warnings
 from typing import Callable
 
 import torch
+from torch._dynamo.utils import counters
 
 from evictlayers.compose.decode_step import raise_recompile_limit
 from evictlayers.compose.store import CompileError
@@ -62,31 +65,52 @@ class CompiledDecodeForward:
         self.compiled: Callable | None = None
         self.weights: tuple | None = None  # the signature of the weights a "max-autotune" graph holds
         self.modules = list(run.model.modules())  # whose parameters the signature reads, listed once
+        self.takes_positions = "position_ids" in inspect.signature(eager).parameters
+        self.graph_steps = self.eager_steps = 0  # one-token forwards through the graph / the model's own forward
+        self.eager_reason: str | None = None
+        self.warned: set[str] = set()
+        self.captured = self.capture_skipped = False  # CUDA graphs asked for / inductor declined them
         # generate() reads forward's signature to choose what it passes (position_ids, for one): keep the model's
         functools.update_wrapper(self, eager)
 
     def __call__(self, *args, **kwargs):
         stores = self.stores_in_place()
         if stores is None:
+            self.eager_steps += self.run.step_tokens == 1
             return self.eager(*args, **kwargs)
         if self.mode == "max-autotune":
             weights = weights_signature(self.modules)
             if weights != self.weights:
                 self.compiled, self.weights = None, weights
+        captured = self.captured = captures(stores[0].pos.device)
         if self.compiled is None:
             raise_recompile_limit()
             traced = self.eager if self.mode is True else _own_code(self.eager)
-            self.compiled = torch.compile(
-                traced, fullgraph=True, dynamic=None, options={"emulate_precision_casts": True}
-            )
+            options = {"emulate_precision_casts": True, "triton.cudagraphs": captured}
+            self.compiled = torch.compile(traced, fullgraph=True, dynamic=None, options=options)
+        if captured:
+            for store in stores:
+                mark_static_buffers(store)
+        args, kwargs = self.fixed_shape_arguments(stores[0].seq_len, args, kwargs)
         self.run.in_compiled_forward = True
         for store in stores:  # stores_in_place read the step's mask
             store.unpadded_step = True
         try:
             # compile=True patches nothing: even an empty patch costs ~20 us a step
             settings = contextlib.nullcontext() if self.mode is True else torch._inductor.config.patch(MAX_AUTOTUNE)
+            skips = counters["inductor"]["cudagraph_skips"]
             with settings:
-                return self.compiled(*args, **kwargs)
+                out = self.compiled(*args, **kwargs)
+            if captured and counters["inductor"]["cudagraph_skips"] > skips:
+                self.capture_skipped = True
+                warnings.warn(
+                    "evictlayers: inductor did not capture the compiled decode forward as a CUDA graph (its "
+                    "'skipping cudagraphs due to ...' log line says why); the steps run uncaptured", stacklevel=2,
+                )
+            for store in stores:
+                store.seq_len += 1  # counted here, not in the graph (``SlotStore.count_step``)
+            self.graph_steps += 1
+            return out
         except torch._dynamo.exc.TorchDynamoException as error:
             raise CompileError(
                 f"evictlayers could not compile the decode forward of {type(self.run.model).__name__} under "
@@ -95,8 +119,23 @@ class CompiledDecodeForward:
             ) from error
         finally:
             self.run.in_compiled_forward = False
+            self.run.step_real = None
             for store in stores:
                 store.unpadded_step = False
+
+    def fixed_shape_arguments(self, seen: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        """The forward's arguments with nothing in them that grows or counts with the sequence, so that one
+        graph (and on CUDA one captured graph) serves every step: the step's column of the padding mask is
+        read here, eagerly, and handed to the attention as ``run.step_real`` (the slot stores mask by
+        position; nothing else of the model reads the mask at a one-token step), the mask itself is not
+        passed, and positions the model would count from the cache's length are made here as a tensor
+        (``seen`` columns so far). Arguments passed by position are left as they are."""
+        self.run.step_real = self.run.real_tokens(seen, 1)
+        kwargs = {**kwargs, "attention_mask": None} if "attention_mask" in kwargs else kwargs
+        if self.takes_positions and kwargs.get("position_ids") is None and len(args) <= 1:
+            device = self.run.cache.layers[0].store.pos.device
+            kwargs = {**kwargs, "position_ids": torch.full((1, 1), seen, dtype=torch.long, device=device)}
+        return args, kwargs
 
     def stores_in_place(self) -> list | None:
         """Every layer's slot store when this forward is a one-token step of a cache every layer of which is an
@@ -109,16 +148,83 @@ class CompiledDecodeForward:
             return None
         stores = [layer.store for layer in cache.layers if type(layer) is EvictionLayer]
         if len(stores) != len(cache.layers):
-            return None
+            return self.eager_because("the model has layers whose cache is transformers' own (recurrent state, or "
+                                      "no attention cache), which the compiled decode forward does not trace")
         for store in stores:
             store.make_room()
-        if not all(store.decodes_in_place() for store in stores):
-            return None
+        for store in stores:
+            if not store.decodes_in_place():
+                return self.eager_because(_why_not_in_place(store))
         # read eagerly for every cache: a mask shorter than the tokens so far is refused here, with its message,
         # where inside the graph the refusal could not be traced and would surface as a CompileError
         real = self.run.real_tokens(stores[0].seq_len, 1)
         in_order = any(store.filled is not None for store in stores)
-        return stores if not in_order or real is None or bool(real.all()) else None
+        if in_order and real is not None and not bool(real.all()):
+            return self.eager_because("a padded step ends the position order of a full cache")
+        return stores
+
+    def eager_because(self, reason: str) -> None:
+        """Record (and warn once per reason) why a one-token step runs eagerly, layer by layer; ``None``."""
+        self.eager_reason = reason
+        if reason not in self.warned:
+            self.warned.add(reason)
+            warnings.warn(
+                f"evictlayers: compile={self.mode!r} runs this model's decode steps layer by layer, not as one "
+                f"graph: {reason}. run.stats()['compiled_decode'] counts the steps of each path",
+                stacklevel=3,
+            )
+        return None
+
+    def path_counts(self) -> dict:
+        """``graph_steps``/``eager_steps``: one-token forwards through the whole-model graph / layer by layer;
+        ``captured``: whether the graph is replayed as a CUDA graph (on CUDA, unless inductor logged a
+        'skipping cudagraphs' reason); ``eager_reason``: why the last eager step was one (``None``: none was)."""
+        return {
+            "graph_steps": self.graph_steps, "eager_steps": self.eager_steps,
+            "captured": self.captured and not self.capture_skipped, "eager_reason": self.eager_reason,
+        }
+
+
+def _why_not_in_place(store) -> str:
+    """Why ``store.decodes_in_place()`` is false (``SlotStore.decodes_in_place`` gives the rules)."""
+    if store.kv is None:
+        return f"layer {store.layer_idx} holds nothing yet"
+    if store.sketch is not None:
+        return f"layer {store.layer_idx} holds a ClusterSketch, whose coin table is remade every few steps"
+    if store.filled is not None:
+        return f"layer {store.layer_idx} keeps its slots in position order and has no free slot"
+    return (f"layer {store.layer_idx}'s storage {store.policy.storage!r} does not compile on CUDA (inductor's build "
+            "gives other logits than the step run eagerly)")
+
+
+def captures(device: torch.device) -> bool:
+    """Whether the whole-forward graph is captured and replayed as a CUDA graph on ``device`` (inductor's
+    ``triton.cudagraphs``, what ``mode="reduce-overhead"`` sets): on CUDA, where a step is otherwise many small
+    kernel launches the host issues one by one."""
+    return device.type == "cuda"
+
+
+def mark_static_buffers(store) -> None:
+    """Mark every tensor a slot store holds (its storage's slots, positions, ranks, per-slot and per-head state,
+    tokens seen, budget) as a static input of the captured graph: the step writes them in place, and a
+    captured graph may write only inputs at fixed addresses (any other input is copied into the graph's own
+    buffer before each replay, which for the slots would copy the cache every step). ``guard=False``: a new
+    buffer of the same shape (a new prompt, a beam reorder) re-records the CUDA graph rather than recompiling."""
+    for tensor in held_tensors(store):
+        if getattr(tensor, "_dynamo_static_input_type", None) is None:
+            torch._dynamo.mark_static_address(tensor, guard=False)
+
+
+def held_tensors(store) -> list[torch.Tensor]:
+    """The tensors of ``store``, of its storage (``store.kv``) and its rotary tables, dicts of tensors included."""
+    found = []
+    for owner in (store, store.kv):
+        for value in vars(owner).values():
+            values = value.values() if isinstance(value, dict) else (value,)
+            found += [tensor for tensor in values if isinstance(tensor, torch.Tensor)]
+    if store.rotary is not None:
+        found += [tensor for table in store.rotary.tables() for tensor in table]
+    return found
 
 
 def _own_code(function: Callable) -> Callable:

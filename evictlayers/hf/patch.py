@@ -2,16 +2,20 @@
 
 Module replacement, Liger-style: each attention module's class is swapped for a subclass that routes
 attention through the slot store, every config's attention implementation points at the registered
-evictlayers function, and a forward pre-hook gives each forward an ``EvictionCache``. Nothing else of the
-model changes unless asked: ``cpu_linear=True`` (with ``compile=True``, on a CPU model) also gives each
-``nn.Linear`` a forward that runs a step's few-row products with ``kernels/linear_cpu.py``'s op. Exiting
-restores classes, configs, hooks and forwards; parameters and ``state_dict`` keys are never touched.
+evictlayers function, and a forward pre-hook gives each forward an ``EvictionCache`` (and keeps a float
+budget a fraction of the whole prompt when the prompt comes in chunks: ``EvictionRun._govern_prompt``);
+``model.generate`` is wrapped so the run knows each call's prompt. Nothing else of the model changes unless
+asked: ``cpu_linear=True`` (with ``compile=True``, on a CPU model) also gives each ``nn.Linear`` a forward that
+runs a step's few-row products with ``kernels/linear_cpu.py``'s op. Exiting restores classes, configs, hooks,
+forwards and ``generate``; parameters and ``state_dict`` keys are never touched.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -35,6 +39,54 @@ _EVICTING_CLASSES: dict[type, type] = {}
 _ABSENT = object()  # the model had no forward of its own (instance attribute) before the patch
 
 
+@dataclass(frozen=True)
+class _GeneratePrompt:
+    """What a ``generate()`` call under the patch says about its prompt: the padding mask it runs with
+    (``[B, width]``, the one passed or the one transformers infers from the pad token), ``None`` where the call
+    continues a cache that already holds tokens (nothing to declare)."""
+
+    mask: torch.Tensor | None
+
+    @property
+    def width(self) -> int | None:
+        return None if self.mask is None else self.mask.shape[1]
+
+    def expanded(self, batch: int) -> torch.Tensor:
+        """The mask of a forward of ``batch`` rows: generate repeats each row for its beams and returned
+        sequences (``repeat_interleave``) before the first forward."""
+        rows = self.mask.shape[0]
+        if batch % rows:
+            raise RuntimeError(
+                f"evictlayers: generate() was given {rows} prompts but its first forward has {batch} rows"
+            )
+        return self.mask.repeat_interleave(batch // rows, dim=0) if batch != rows else self.mask
+
+
+def _generate_prompt(model: nn.Module, args: tuple, kwargs: dict) -> _GeneratePrompt:
+    """The prompt of ``model.generate(*args, **kwargs)``, read from its arguments as ``generate()`` reads them."""
+    cache = kwargs.get("past_key_values", kwargs.get("cache"))
+    if isinstance(cache, Cache) and cache.get_seq_length() > 0:
+        return _GeneratePrompt(None)  # a continuation: the cache's budget was fixed by its own prompt
+    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
+    embeds, mask = kwargs.get("inputs_embeds"), kwargs.get("attention_mask")
+    inputs = embeds if embeds is not None else ids
+    if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2 or inputs.shape[1] == 0:
+        return _GeneratePrompt(None)  # no prompt to read (generate starts from its BOS token)
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == inputs.shape[1]:
+        return _GeneratePrompt(mask.bool())
+    mask = torch.ones(inputs.shape[:2], dtype=torch.bool, device=inputs.device)
+    if embeds is None and not inputs.is_floating_point():
+        # transformers' rule: padding is inferred from the pad token where the ids hold one that is no EOS
+        config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+        pad = kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
+        eos = kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
+        pads = [] if pad is None else torch.as_tensor(pad).flatten().tolist()
+        eos = [] if eos is None else torch.as_tensor(eos).flatten().tolist()
+        if len(pads) == 1 and pads[0] not in eos and bool((inputs == pads[0]).any()):
+            mask = inputs != pads[0]
+    return _GeneratePrompt(mask)
+
+
 def _evicting_class(cls: type) -> type:
     """``Evicting<cls>``: the same module, marked as routed through evictlayers."""
     if cls not in _EVICTING_CLASSES:
@@ -44,7 +96,8 @@ def _evicting_class(cls: type) -> type:
 
 class EvictionRun:
     """The patched state of one model; ``with apply(model, policy) as run`` yields it. ``cpu_linear``: whether its
-    linear layers run ``kernels/linear_cpu.py``'s op (asked for, and available here)."""
+    linear layers run ``kernels/linear_cpu.py``'s op (asked for, and available here). ``run.new_cache()`` makes a
+    cache, ``run.prefill(ids, mask, chunk=N)`` runs a long prompt into one in bounded memory."""
 
     def __init__(self, model: nn.Module, policy: Policy, compile: bool | str = False, tokenizer=None,
                  cpu_linear: bool = False):
@@ -116,8 +169,15 @@ class EvictionRun:
         self.rotary: dict[int, RotaryTable] | None = None
         self.cache: EvictionCache | None = None
         self._padding: torch.Tensor | None = None
-        self.step_tokens: int | None = None  # tokens per row of the current forward (its input's second dim)
+        # tokens per row of the current forward (its input's second dim); None for a chunk of a declared prompt,
+        # which a one-token chunk too runs as prefill, never as the compiled decode forward
+        self.step_tokens: int | None = None
         self.in_compiled_forward = False  # set by CompiledDecodeForward while its graph runs
+        self._generating: _GeneratePrompt | None = None  # the prompt of the generate() call under way
+        # a float budget is a fraction of the prompt: a second prompt chunk without the prompt's length is refused
+        self._fraction_budget = any(isinstance(p.budget, float) for p in layer_policies)
+        # the step's [B, 1] real-token column while the compiled decode forward runs (read before the graph)
+        self.step_real: torch.Tensor | None = None
         self._implementation = attention_implementation(model, self.support, attention.ATTENTION_NAME)
         self._hooks = []
         self._captured: dict | None = None  # set while the rolling probe records what each layer attends with
@@ -149,7 +209,26 @@ class EvictionRun:
             self._own_forward = self.model.__dict__.get("forward", _ABSENT)
             self.model.forward = CompiledDecodeForward(self, self.model.forward, mode=self.compile)
         self._linears = self._route_linears() if self.cpu_linear else []
+        self._own_generate, self._generate = self.model.__dict__.get("generate", _ABSENT), None
+        if callable(getattr(self.model, "generate", None)):
+            self._generate = self._generate_knowing_the_prompt(self.model.generate)
+            self.model.generate = self._generate
         self.model._evictlayers_run = self
+
+    def _generate_knowing_the_prompt(self, generate):
+        """``model.generate`` while the patch is active: the model's own, with the run knowing the call's prompt
+        (``_GeneratePrompt``), so that a prompt ``generate(..., prefill_chunk_size=N)`` feeds in chunks
+        resolves a float budget from all of it (``_govern_prompt``)."""
+
+        @functools.wraps(generate)
+        def generate_knowing_the_prompt(*args, **kwargs):
+            outer, self._generating = self._generating, _generate_prompt(self.model, args, kwargs)
+            try:
+                return generate(*args, **kwargs)
+            finally:
+                self._generating = outer
+
+        return generate_knowing_the_prompt
 
     def _route_linears(self) -> list[tuple[nn.Linear, object]]:
         """Give each plain ``nn.Linear`` ``few_rows_forward`` (``cpu_linear=True``: a decode step's products of one
@@ -174,6 +253,11 @@ class EvictionRun:
                 del self.model.forward
             else:
                 self.model.forward = self._own_forward
+        if self._generate is not None and self.model.__dict__.get("generate") is self._generate:
+            if self._own_generate is _ABSENT:
+                del self.model.generate
+            else:
+                self.model.generate = self._own_generate
         self._implementation.__exit__(None, None, None)
         for module in self._attention:
             module.__class__ = module._evictlayers_original_class
@@ -210,11 +294,76 @@ class EvictionRun:
 
     # ---- per forward ---------------------------------------------------------------------------
 
-    def new_cache(self) -> EvictionCache:
-        """An empty cache for this model and policy (pass it as ``past_key_values``)."""
+    def new_cache(self, prompt_len: int | torch.Tensor | None = None) -> EvictionCache:
+        """An empty cache for this model and policy (pass it as ``past_key_values``). ``prompt_len``: the real
+        tokens of each row's whole prompt (an ``int``, or ``attention_mask.sum(1)``), for a prompt you feed in
+        chunks yourself: a float budget is then a fraction of all of it (``EvictionCache.declare_prompt``)."""
         return EvictionCache(
-            self.policy, self.num_layers, compile=bool(self.compile), rotary=self.rotary, support=self.support
+            self.policy, self.num_layers, compile=bool(self.compile), rotary=self.rotary, support=self.support,
+            prompt_len=prompt_len,
         )
+
+    def prefill(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, chunk: int,
+                cache: EvictionCache | None = None, position_ids: torch.Tensor | None = None):
+        """Run a prompt through the patched model ``chunk`` tokens at a time, under ``torch.no_grad``, with its
+        length known, so that memory stays bounded by ``budget + chunk`` tokens per head while a float budget is
+        still that fraction of the whole prompt: after it every layer holds what one forward of the prompt
+        leaves (the same budget per row, the same number of tokens per head).
+
+        ``attention_mask``: ``[B, T]`` padding mask of the prompt (left padding as ``generate()`` takes it);
+        ``position_ids``: ``[B, T]`` positions, sliced per chunk (without them the model derives each chunk's
+        from the cache, as one forward of the prompt would); ``cache``: an empty evictlayers cache to fill
+        (default: ``new_cache()``). Returns the last chunk's model output: ``out.logits[:, -1]`` are the next
+        token's logits and ``out.past_key_values`` the cache, ready to decode one token per forward. (``generate``
+        chunks a prompt itself: ``model.generate(..., prefill_chunk_size=N)``; given a cache that holds the
+        whole prompt it would feed the prompt again.)"""
+        if getattr(self.model, "_evictlayers_run", None) is not self:
+            raise RuntimeError("run.prefill: this run's patch was removed; call it inside the `with` block")
+        if isinstance(chunk, bool) or not isinstance(chunk, int):
+            raise TypeError(f"run.prefill(chunk={chunk!r}): expected an int number of tokens per forward")
+        if chunk < 1:
+            raise ValueError(f"run.prefill(chunk={chunk}): a chunk holds at least 1 token")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise ValueError(
+                "run.prefill(input_ids): expected a [batch, tokens] tensor of token ids, got "
+                f"{type(input_ids).__name__}{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else ''}"
+            )
+        width = input_ids.shape[1]
+        if width == 0:
+            raise ValueError("run.prefill(input_ids): the prompt is empty")
+        if attention_mask is not None and (
+            not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape
+        ):
+            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+            raise ValueError(
+                f"run.prefill(attention_mask): expected the prompt's [batch, tokens] = {tuple(input_ids.shape)} "
+                f"padding mask, got {shape}"
+            )
+        if position_ids is not None and (
+            not isinstance(position_ids, torch.Tensor) or position_ids.shape[-1] != width
+        ):
+            raise ValueError(f"run.prefill(position_ids): expected positions for the prompt's {width} tokens")
+        prompt_len = width if attention_mask is None else attention_mask.bool().sum(1)
+        if cache is None:
+            cache = self.new_cache(prompt_len=prompt_len)
+        elif not isinstance(cache, EvictionCache) or cache.get_seq_length() > 0:
+            raise ValueError(
+                "run.prefill(cache=...): expected an empty evictlayers cache (run.new_cache()), got a "
+                f"{type(cache).__name__} holding {cache.get_seq_length() if isinstance(cache, Cache) else 0} tokens"
+            )
+        elif not cache.prompt_declared:
+            cache.declare_prompt(prompt_len)
+        out = None
+        with torch.no_grad():
+            for start in range(0, width, chunk):
+                stop = min(start + chunk, width)
+                inputs = {"input_ids": input_ids[:, start:stop], "past_key_values": cache, "use_cache": True}
+                if attention_mask is not None:
+                    inputs["attention_mask"] = attention_mask[:, :stop]
+                if position_ids is not None:
+                    inputs["position_ids"] = position_ids[..., start:stop]
+                out = self.model(**inputs)
+        return out
 
     def _hook(self, signature: inspect.Signature):
         names = list(signature.parameters)
@@ -261,6 +410,9 @@ class EvictionRun:
                 args, kwargs = replaced(args, kwargs, cache_name, cache)
             inputs = next((arguments[n] for n in ("input_ids", "inputs_embeds") if arguments.get(n) is not None), None)
             self.step_tokens = None if inputs is None else inputs.shape[1]
+            if use_cache and isinstance(cache, EvictionCache) and inputs is not None:
+                if self._govern_prompt(cache, mask, inputs.shape[0], inputs.shape[1]):
+                    self.step_tokens = None  # a chunk of a declared prompt, even one token long: never decoded
             if self.rotary is not None:
                 # position 0 everywhere makes the model's rotary embedding the identity: queries and keys
                 # reach the attention function un-rotated, and the slot store rotates them to their ranks
@@ -273,6 +425,60 @@ class EvictionRun:
             return args, kwargs
 
         return before_forward
+
+    def _govern_prompt(self, cache: EvictionCache, mask: torch.Tensor | None, batch: int, tokens: int) -> bool:
+        """Keep a float budget a fraction of the whole prompt, however the prompt arrives (before a forward of
+        ``tokens`` tokens per row on ``cache``); returns whether the forward is a chunk of a declared prompt.
+
+        The prompt phase of a cache lasts from its first forward to its first one-token forward. A forward of
+        several tokens on a cache that already holds tokens and has not decoded yet is therefore a second
+        chunk of the prompt; after a one-token forward (or past a declared prompt) a multi-token forward
+        continues the cache (a second turn, a question after a compressed context) and is left alone.
+
+        - Inside ``generate()``, whose prompt is known (``_GeneratePrompt``), a first forward shorter than the
+          prompt (``prefill_chunk_size``) declares the prompt's real tokens per row to the cache
+          (``EvictionCache.declare_prompt``, left padding excluded as in one forward), so every layer resolves
+          its budget at the first chunk as one forward of the prompt would; a ``generate()`` given a cache that
+          already holds tokens continues it.
+        - Outside it, a second chunk of a prompt whose length the cache was not told, under a float budget,
+          raises ``ValueError``: its budget was resolved from the first chunk alone. An ``int`` budget, a
+          declared length (``run.new_cache(prompt_len=...)``) or ``run.prefill`` are the ways to chunk a
+          prompt."""
+        if cache.decoded:
+            return False
+        held = cache.get_seq_length()
+        call = self._generating
+        if held == 0:
+            if call is not None and call.mask is not None and tokens < call.width and not cache.prompt_declared:
+                expected = call.expanded(batch)
+                if mask is not None and not torch.equal(mask[:, :tokens].bool(), expected[:, :tokens].to(mask.device)):
+                    raise RuntimeError(
+                        "evictlayers: generate()'s first prompt chunk runs with another padding mask than the one "
+                        "read from its arguments; pass attention_mask= to generate()"
+                    )
+                cache.declare_prompt(expected.sum(1))
+            return cache.prompt_declared
+        if cache.in_prompt:
+            if call is not None and call.width is not None and held >= call.width:
+                raise RuntimeError(
+                    f"evictlayers: generate() has fed its {call.width}-token prompt, but the cache still waits for "
+                    "prompt tokens: the prompt lengths read from its arguments disagree with the padding mask it "
+                    "ran with; pass attention_mask= to generate()"
+                )
+            return True
+        if tokens == 1:
+            cache.decoded = True
+            return False
+        if cache.prompt_declared or call is not None or not self._fraction_budget:
+            return False
+        raise ValueError(
+            f"evictlayers: this forward feeds {tokens} tokens per row to a cache that already holds {held} and has "
+            "not decoded yet, so it is a second chunk of the prompt; the policy's float budget "
+            f"(budget={self.policy.budget}) is a fraction of the whole prompt, but the cache resolved it from "
+            "the first chunk alone. Prefill in chunks with run.prefill(input_ids, attention_mask, chunk=N) or "
+            "model.generate(..., prefill_chunk_size=N), tell the cache the prompt's length "
+            "(run.new_cache(prompt_len=attention_mask.sum(1))), or use an int budget (tokens per head)"
+        )
 
     def _mark_sentence_ends(self, input_ids: torch.Tensor | None) -> None:
         """Keep which of this forward's tokens end a sentence, for a policy that ranks sentences (``None``
@@ -298,6 +504,8 @@ class EvictionRun:
 
     def real_tokens(self, start: int, count: int) -> torch.Tensor | None:
         """``[B, count]`` bool: which of the step's tokens are real (not padding), from the 2-D mask."""
+        if self.step_real is not None:
+            return self.step_real
         if self._padding is None:
             return None
         if self._padding.shape[1] < start + count:
@@ -310,10 +518,17 @@ class EvictionRun:
     # ---- reporting -----------------------------------------------------------------------------
 
     def stats(self) -> dict:
-        """Memory and token counts of the cache of the last forward (see ``EvictionCache.stats``)."""
+        """Memory and token counts of the cache of the last forward (see ``EvictionCache.stats``); under
+        ``compile=True`` also ``compiled_decode``, which path the one-token steps took
+        (``CompiledDecodeForward.path_counts``)."""
         if self.cache is None:
-            return {"kv_bytes": 0, "state_bytes": 0, "sketch_bytes": 0, "layers": []}
-        return self.cache.stats()
+            stats = {"kv_bytes": 0, "state_bytes": 0, "sketch_bytes": 0, "layers": []}
+        else:
+            stats = self.cache.stats()
+        forward = self.model.__dict__.get("forward")
+        if isinstance(forward, CompiledDecodeForward):
+            stats["compiled_decode"] = forward.path_counts()
+        return stats
 
 
 def apply(model: nn.Module, policy: Policy, compile: bool | str = False, tokenizer=None,

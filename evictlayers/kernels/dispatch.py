@@ -7,11 +7,14 @@ arguments every backend of their op takes (``decode/naive.py``, ``quantized_deco
 builds that op's arguments and folds the ring's mass back into its slots, except where the CPU backend's
 one-op int4 step does both itself. The backends:
 
-- ``auto`` (default): Triton on CUDA tensors when Triton is installed; on CPU the CPU backends (they
-  compile into the fixed-shape decode graph): the decode through the fused flash op when no mass is
-  wanted, the blockwise quantised decode, the one-pass prefill; the naive references on any other
-  device;
-- ``triton``: always the Triton kernels (CPU tensors only under ``TRITON_INTERPRET=1``, the interpreter);
+- ``auto`` (default): on CUDA tensors when Triton is installed, the Triton decode kernels and the fused
+  prefill (``prefill/fused.py``: PyTorch's flash attention for the output and LSE, then a Triton mass pass,
+  for a causal prompt in slot order; the Triton prefill kernel for any other inputs); on CPU the CPU
+  backends (they compile into the fixed-shape decode graph): the decode through the fused flash op when
+  no mass is wanted, the blockwise quantised decode, the one-pass prefill; the naive references on any
+  other device;
+- ``triton``: always the Triton kernels, the prefill's included (CPU tensors only under
+  ``TRITON_INTERPRET=1``, the interpreter);
 - ``reference``: always the naive references.
 
 Every backend honours every option, so the choice never changes what is computed, only how; what
@@ -86,16 +89,18 @@ def _use_triton(tensor: torch.Tensor) -> bool:
 
 
 def prefill_backend(tensor: torch.Tensor) -> str:
-    """``"triton"``, ``"cpu"`` or ``"naive"``: the prefill backend that serves tensors like ``tensor``."""
-    if _use_triton(tensor):
-        return "triton"
-    return "cpu" if kernel_choice() == "auto" and tensor.device.type == "cpu" else "naive"
+    """``"fused"``, ``"triton"``, ``"cpu"`` or ``"naive"``: the prefill backend that serves tensors like
+    ``tensor``; ``"fused"`` hands the inputs it does not serve to the Triton kernel (``prefill/fused.py``)."""
+    backend = decode_backend(tensor)
+    return "fused" if backend == "triton" and kernel_choice() == "auto" else backend
 
 
 def decode_backend(tensor: torch.Tensor) -> str:
     """``"triton"``, ``"cpu"`` or ``"naive"``: the decode backend (of either decode op) that serves tensors
     like ``tensor``."""
-    return prefill_backend(tensor)  # the same rule: Triton on CUDA, the CPU backend on CPU under auto
+    if _use_triton(tensor):
+        return "triton"
+    return "cpu" if kernel_choice() == "auto" and tensor.device.type == "cpu" else "naive"
 
 
 def decode_attention(
@@ -216,7 +221,9 @@ def prefill_attention(
     ``need_mass=False`` (the caller reads the output and kept rows only): every backend skips the
     summed mass and returns it as zeros. ``lse_out`` is filled by every backend."""
     backend = prefill_backend(query)
-    if backend == "triton":
+    if backend == "fused":
+        from evictlayers.kernels.prefill.fused import attention_with_mass_fused as kernel
+    elif backend == "triton":
         from evictlayers.kernels.prefill.triton import attention_with_mass_triton as kernel
     else:
         kernel = attention_with_mass_cpu if backend == "cpu" else attention_with_mass

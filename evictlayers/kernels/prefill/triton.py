@@ -11,7 +11,8 @@ never an ``[n, n]`` matrix:
    ``sum_i exp(x_ij - LSE_i)`` accumulated over the queries (H2O Algorithm 1 lines 8-9 add exactly
    this to the accumulated score), per query head, then reduced over the GQA group; the last
    ``keep_rows`` rows are written out reduced over the group. Without the mass (``need_mass=False``)
-   this pass reads only the query blocks holding a kept row, and is not launched when none is kept.
+   this pass reads only the query blocks holding a kept row, and is not launched when none is kept. It
+   runs alone as ``mass_from_lse``, from any LSE: ``prefill/fused.py`` feeds it PyTorch's attention's.
 
 One pass (``passes=1``) computes the logits once, as ``mass_cpu.py`` does on CPU: the forward keeps each
 tile's scoring probabilities ``P~ = exp(x - m(t))``, taken against the running max ``m(t)`` of its rows, in a
@@ -378,7 +379,7 @@ def attention_with_mass_triton(
     v_dim = value.shape[-1]
     n_rows = min(keep_rows, q_len)
     device = query.device
-    block = 16 if interpreting() else 64
+    block = _block()
     m_blocks = cdiv(q_len, block)
     items = m_blocks * batch * q_heads
     programs = one_pass_programs(n_slots, items, block, max_chunk_elements) if need_mass else 0
@@ -397,16 +398,13 @@ def attention_with_mass_triton(
     query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     query_pos, key_pos = query_pos.contiguous(), key_pos.contiguous()
     gain = score_gain.contiguous() if gained else query_pos  # never read without a gain
-    upcast, precision = dot_options(key.dtype)
     ordered = n_slots >= IN_ORDER_MIN_SLOTS and in_order(query_pos, key_pos)
 
     f32 = dict(dtype=torch.float32, device=device)
     out = torch.empty(batch, q_heads, q_len, v_dim, dtype=query.dtype, device=device)
     lse = lse_out if lse_out is not None and lse_out.is_contiguous() else torch.empty(batch, q_heads, q_len, **f32)
     score_lse = torch.empty(batch, q_heads, q_len, **f32) if gained and not one_pass else lse
-    shared = dict(G=groups, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_size(head_dim),
-                  HAS_SOFTCAP=softcap is not None, HAS_WINDOW=sliding_window is not None,
-                  HAS_GAIN=gained, IN_ORDER=ordered, KEEP_ROWS=n_rows > 0, UPCAST=upcast, PRECISION=precision)
+    shared = _constexprs(groups, block, head_dim, key.dtype, softcap, sliding_window, gained, ordered, n_rows)
     common = (scaling, softcap or 1.0, sliding_window or 0)
     if one_pass:
         width = cdiv(n_slots, block) * block
@@ -430,20 +428,76 @@ def attention_with_mass_triton(
         mass = reduce_group(head_mass.view(batch, kv_heads, groups, n_slots), gqa_reduce)
         rows = reduce_group(head_rows.view(batch, kv_heads, groups, n_rows, n_slots), gqa_reduce)
         return AttentionMass(out, mass, rows)
-    mass = (torch.empty if need_mass else torch.zeros)(batch, kv_heads, n_slots, **f32)
-    # in order, pass 2 skips the query blocks that see none of a program's slots: their kept rows stay 0
-    rows = (torch.zeros if ordered else torch.empty)(batch, kv_heads, n_rows, n_slots, **f32)
-    if scores:
-        # without the mass, pass 2 starts at the query block holding the first kept row
-        first_m = 0 if need_mass else (q_len - n_rows) // block * block
-        _mass_kernel[(cdiv(n_slots, block), batch * kv_heads)](
-            query, key, query_pos, key_pos, gain, score_lse, mass, rows,
-            query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
-            q_len, n_slots, head_dim, n_rows, first_m, *common,
-            HKV=kv_heads, BLOCK_G=block_size(groups, lo=1), NEED_MASS=need_mass,
-            REDUCE=REDUCE_CODES[gqa_reduce], **shared,
-        )
+    mass, rows = mass_from_lse(query, key, query_pos, key_pos, score_lse, scaling=scaling, softcap=softcap,
+                               sliding_window=sliding_window, gqa_reduce=gqa_reduce,
+                               score_gain=gain if gained else None, keep_rows=n_rows, need_mass=need_mass,
+                               ordered=ordered)
     return AttentionMass(out, mass, rows)
+
+
+def mass_from_lse(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    query_pos: torch.Tensor,
+    key_pos: torch.Tensor,
+    score_lse: torch.Tensor,
+    *,
+    scaling: float,
+    softcap: float | None = None,
+    sliding_window: int | None = None,
+    gqa_reduce: str = "sum",
+    score_gain: torch.Tensor | None = None,
+    keep_rows: int = 0,
+    need_mass: bool = True,
+    ordered: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass 2 alone: ``(mass [B, H_kv, N], rows [B, H_kv, R, N])`` as ``attention_with_mass_triton`` returns them,
+    from the LSE of the scoring logits, whatever computed it; reads the queries and keys, never the values.
+
+    ``score_lse`` ``[B, H_q, Q]`` float32: each query's log-sum-exp of its scoring logits over the slots it sees
+    (the model's own, or gained by ``score_gain``). ``ordered``: the caller found ``in_order(query_pos,
+    key_pos)``. The other arguments are ``attention_with_mass_triton``'s, already checked (``check_inputs``).
+    Without the mass and kept rows nothing is launched: the mass is zeros."""
+    batch, q_heads, q_len, head_dim = query.shape
+    _, kv_heads, n_slots, _ = key.shape
+    groups = q_heads // kv_heads
+    n_rows = min(keep_rows, q_len)
+    block = _block()
+    f32 = dict(dtype=torch.float32, device=query.device)
+    mass = (torch.empty if need_mass else torch.zeros)(batch, kv_heads, n_slots, **f32)
+    # in order, the pass skips the query blocks that see none of a program's slots: their kept rows stay 0
+    rows = (torch.zeros if ordered else torch.empty)(batch, kv_heads, n_rows, n_slots, **f32)
+    if not (need_mass or n_rows):
+        return mass, rows
+    # the kernel indexes the last dim with stride 1, the positions, gain and LSE densely
+    query, key = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key))
+    query_pos, key_pos, score_lse = query_pos.contiguous(), key_pos.contiguous(), score_lse.contiguous()
+    gain = query_pos if score_gain is None else score_gain.contiguous()  # never read without a gain
+    # without the mass, the pass starts at the query block holding the first kept row
+    first_m = 0 if need_mass else (q_len - n_rows) // block * block
+    _mass_kernel[(cdiv(n_slots, block), batch * kv_heads)](
+        query, key, query_pos, key_pos, gain, score_lse, mass, rows,
+        query.stride(0), query.stride(1), query.stride(2), key.stride(0), key.stride(1), key.stride(2),
+        q_len, n_slots, head_dim, n_rows, first_m, scaling, softcap or 1.0, sliding_window or 0,
+        HKV=kv_heads, BLOCK_G=block_size(groups, lo=1), NEED_MASS=need_mass, REDUCE=REDUCE_CODES[gqa_reduce],
+        **_constexprs(groups, block, head_dim, key.dtype, softcap, sliding_window, score_gain is not None, ordered,
+                      n_rows),
+    )
+    return mass, rows
+
+
+def _block() -> int:
+    """The kernels' query and slot block size: smaller on the interpreter, which is slow."""
+    return 16 if interpreting() else 64
+
+
+def _constexprs(groups: int, block: int, head_dim: int, dtype: torch.dtype, softcap: float | None,
+                sliding_window: int | None, gained: bool, ordered: bool, n_rows: int) -> dict:
+    """The compile-time arguments both kernels take."""
+    upcast, precision = dot_options(dtype)
+    return dict(G=groups, BLOCK_M=block, BLOCK_N=block, BLOCK_D=block_size(head_dim),
+                HAS_SOFTCAP=softcap is not None, HAS_WINDOW=sliding_window is not None, HAS_GAIN=gained,
+                IN_ORDER=ordered, KEEP_ROWS=n_rows > 0, UPCAST=upcast, PRECISION=precision)
 
 
 def one_pass_programs(n_slots: int, items: int, block: int, max_chunk_elements: int) -> int:
