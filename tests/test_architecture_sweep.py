@@ -56,7 +56,6 @@ def test_documented_sweep_covers_every_type_and_enough_work():
 
 REFUSALS = {
     "inkling_text": ["model_type='inkling_text'", "layer 0", "position_bias=", "additive position bias"],
-    "llama4_text": ["model_type='llama4_text'", "layer 0", "chunked attention"],
     "rwkv": ["model_type='rwkv'", "cache class of its own"],
     "prophetnet": ["model_type='prophetnet'", "encoder-decoder"],
     "mllama": ["layer 3", "MllamaTextCrossAttention", "cross-attention"],

@@ -19,8 +19,9 @@ import torch
 
 from evictlayers.compose.cross_layer import CrossLayerBoard
 from evictlayers.compose.decode_step import compiled_decode_step, decode_in_order, decode_step
+from evictlayers.compose.eviction import release_evicted
 from evictlayers.compose.policy import Policy
-from evictlayers.compose.positions import RotaryTable
+from evictlayers.compose.positions import RotaryTable, slot_ranks
 from evictlayers.compose.prefill_step import prefill_step
 from evictlayers.compose.step_state import change_per_slot, sentence_starts, token_positions
 from evictlayers.core import Component
@@ -67,7 +68,7 @@ class SlotStore:
     def __init__(
         self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False,
         rotary: RotaryTable | None = None, window: int | None = None, sliding_layers: frozenset[int] = frozenset(),
-        board: CrossLayerBoard | None = None,
+        board: CrossLayerBoard | None = None, chunk: int | None = None,
     ):
         """``rotary``: the model's rotary table, which ``Policy(positions="rolling")`` needs (its keys are
         held un-rotated and rotated to their rank at every step; ``compose/positions.py``).
@@ -81,6 +82,13 @@ class SlotStore:
         ``sliding_layers``: the indices of the model's sliding-window layers, for an allocation that weighs
         layers by kind (``ByLayerKind``).
 
+        ``chunk``: the attention chunk of a chunked-attention layer (Llama 4): a query at position ``q`` sees the
+        tokens at positions ``p <= q`` with ``p // chunk == q // chunk`` only. Before each step the layer lets go
+        of every token of an earlier chunk than the next token's (no later query can see one; per-head state
+        forgets them as it does evicted tokens), a multi-token step is split where a row starts a new chunk, and
+        the layer holds at most ``chunk - 1`` tokens, whatever the policy, as a sliding layer holds ``window - 1``:
+        within a chunk, visibility is the plain causal rule, so every kernel serves it unchanged.
+
         ``board``: the ``CrossLayerBoard`` every layer of the model shares, for a policy holding ``CrossLayer``
         (``EvictionCache`` makes it): a ranking layer publishes its last query row there, and a layer that
         ranks by it waits for the last ranking layer at a multi-token step."""
@@ -89,6 +97,11 @@ class SlotStore:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 2):
             raise ValueError(f"SlotStore(window={window!r}) in layer {layer_idx}: expected an int >= 2 or None")
         self.window = window
+        if chunk is not None and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2):
+            raise ValueError(f"SlotStore(chunk={chunk!r}) in layer {layer_idx}: expected an int >= 2 or None")
+        if chunk is not None and window is not None:
+            raise ValueError(f"SlotStore in layer {layer_idx}: a layer has a sliding window or an attention chunk, not both")
+        self.chunk = chunk
         # which rule bounds the layer: "budget" (the policy's), "window" (the sliding window), None (neither)
         self.bound: str | None = None
         self.policy = policy
@@ -192,7 +205,7 @@ class SlotStore:
         started = self.kv is not None
         sketch = self.sketch_stats()
         return {
-            "kind": "sliding" if self.window is not None else "attention",
+            "kind": "sliding" if self.window is not None else "chunked" if self.chunk is not None else "attention",
             "bound": self.bound if started else None,
             "retained_tokens": int(self.retained().max()) if started else 0,
             "seen_tokens": int(self.seen.max()) if started else 0,
@@ -230,7 +243,7 @@ class SlotStore:
         """Forget every token, the sketch included: the next step starts the layer afresh."""
         self.__init__(
             self.policy, self.layer_idx, self.num_layers, compile=self.compile, rotary=self.rotary, window=self.window,
-            sliding_layers=self.sliding_layers, board=self.board,
+            sliding_layers=self.sliding_layers, board=self.board, chunk=self.chunk,
         )
         if self.board is not None:
             self.board.reset()
@@ -243,6 +256,8 @@ class SlotStore:
         raised: a ``ValueError``/``TypeError`` (bad input or configuration) keeps its type and gets a
         note; anything else (a bug, bad state, a kernel error) becomes a ``PolicyError`` from it."""
         try:
+            if self.chunk is not None:
+                return self._chunked_step(query, key, value, real, **attention_kwargs)
             return self._step(query, key, value, real, **attention_kwargs)
         except CompileError:
             raise
@@ -313,7 +328,7 @@ class SlotStore:
                 prompt = self.prompt_len
             # the mask follows the call's sliding_window; the cap, the cache layer's window (transformers
             # sizes its own sliding cache layers by it even where a model's mask does not slide)
-            self.budget = self._layer_budget(prompt, self.window or sliding_window)
+            self.budget = self._layer_budget(prompt, self.window or sliding_window or self.chunk)
             self._allocate_sketch(key, value, sliding_window)
             if self.policy.reads_sentences:
                 self.last_sentence_end = torch.full_like(self.seen, -1)
@@ -353,6 +368,40 @@ class SlotStore:
         if in_prompt:  # one host read per chunk of a declared prompt; none once it is fed
             self.in_prompt = bool((self.seen < self.prompt_len).any())
         return out
+
+    def _chunked_step(self, query, key, value, real, *, sentence_ends=None, **attention_kwargs) -> torch.Tensor:
+        """``_step`` on a chunked-attention layer (``chunk``, see ``__init__``): the tokens of earlier chunks
+        leave before each part of the step, and a multi-token step runs in parts that start where any row
+        starts a new chunk (one host read of the step's positions; a one-token step reads nothing)."""
+        batch, _, q_len, _ = key.shape
+        if real is None:
+            real = torch.ones(batch, q_len, dtype=torch.bool, device=key.device)
+        cuts = [0, q_len]
+        if q_len > 1:
+            seen = self.seen if self.seen is not None else torch.zeros(batch, dtype=torch.long, device=key.device)
+            starts = ((token_positions(seen, real) % self.chunk == 0) & real).any(0)
+            cuts = sorted({0, q_len, *starts.nonzero()[:, 0].tolist()})
+        outs = []
+        for start, stop in zip(cuts, cuts[1:]):
+            self._forget_earlier_chunks()
+            part = slice(start, stop)
+            outs.append(self._step(
+                query[:, :, part], key[:, :, part], value[:, :, part], real[:, part],
+                sentence_ends=None if sentence_ends is None else sentence_ends[:, part], **attention_kwargs,
+            ))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 2)
+
+    def _forget_earlier_chunks(self) -> None:
+        """Free, in place, every held slot of an earlier chunk than the row's next token's, as an eviction frees
+        it (``release_evicted``: per-head state forgets its key); fixed shapes, so a compiled step traces it."""
+        if self.pos is None:
+            return
+        stale = (self.pos >= 0) & (self.pos // self.chunk < (self.seen // self.chunk)[:, None, None])
+        slots = torch.arange(self.capacity, device=self.pos.device).expand_as(self.pos)
+        keys = self.kv.dense()[0] if self.policy.head_state_specs else None
+        release_evicted(self.policy, self.pos, self.state, slots, stale, keys)
+        if self.ranks is not None:
+            self.ranks.copy_(slot_ranks(self.pos))
 
     def _declared_prompt(self, batch: int, device: torch.device) -> torch.Tensor:
         """``prompt_len`` as ``[B]`` int64 on ``device``, checked against the first step's batch."""
@@ -448,10 +497,11 @@ class SlotStore:
 
     def _allocate_sketch(self, key: torch.Tensor, value: torch.Tensor, sliding_window: int | None) -> None:
         """One sketch per layer, at the first step, when the policy has a ClusterSketch and
-        the layer can evict. A sliding-window layer gets none: the sketch keeps no positions, so it could
-        not forget the tokens that slide out of the window; its evicted tokens are dropped as usual."""
+        the layer can evict. A sliding-window or chunked layer gets none: the sketch keeps no positions, so it
+        could not forget the tokens that slide out of the window or leave with their chunk; its evicted tokens are
+        dropped as usual."""
         sketch = self.policy.sketch
-        if sketch is None or self.budget is None or sliding_window is not None:
+        if sketch is None or self.budget is None or sliding_window is not None or self.chunk is not None:
             return
         batch, heads, _, head_dim = key.shape
         self.sketch = sketch.allocate(batch, heads, head_dim, value.shape[-1], key.dtype, key.device, self.layer_idx)

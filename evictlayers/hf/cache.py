@@ -25,17 +25,18 @@ class EvictionLayer(CacheLayerMixin):
     def __init__(
         self, policy: Policy, layer_idx: int = 0, num_layers: int = 1, compile: bool = False,
         rotary: RotaryTable | None = None, window: int | None = None, sliding_layers: frozenset[int] = frozenset(),
-        board: CrossLayerBoard | None = None,
+        board: CrossLayerBoard | None = None, chunk: int | None = None,
     ):
-        """``window``: the layer's sliding window (``SlotStore``), ``None`` for full attention;
+        """``window``: the layer's sliding window (``SlotStore``), ``None`` for full attention; ``chunk``: the
+        attention chunk of a chunked-attention layer (``SlotStore``);
         ``sliding_layers``: the indices of the model's sliding-window layers and ``board`` the ranking board
         of a ``CrossLayer`` policy (``SlotStore``)."""
         super().__init__()
         self.store = SlotStore(
             policy, layer_idx, num_layers, compile=compile, rotary=rotary, window=window, sliding_layers=sliding_layers,
-            board=board,
+            board=board, chunk=chunk,
         )
-        self.is_sliding = window is not None
+        self.is_sliding = window is not None or chunk is not None
         self.staged: tuple[torch.Tensor, torch.Tensor] | None = None
         # what the model's attention call makes of the staged keys, as the attention function found on an
         # eager step (a compiled step cannot compare tensors to find out): how many times it repeats the
@@ -197,7 +198,7 @@ class EvictionCache(Cache):
                 if states is None:
                     layers.append(
                         EvictionLayer(layer_policy, index, num_layers, compile=compile, rotary=table, window=window,
-                                      sliding_layers=sliding, board=board)
+                                      sliding_layers=sliding, board=board, chunk=support and support.chunk(index))
                     )
                 else:
                     layers.append(EvictionHybridLayer(
@@ -288,10 +289,11 @@ class EvictionCache(Cache):
         'seen_tokens', 'kv_bytes', 'state_bytes', 'sketch_clusters', 'sketch_samples', 'sketch_absorbed',
         'sketch_bytes'}, ...]}``.
 
-        ``kind`` is ``"attention"``, ``"sliding"`` (a sliding-window attention layer) or ``"carried"`` (a
+        ``kind`` is ``"attention"``, ``"sliding"`` (a sliding-window attention layer), ``"chunked"`` (a
+        chunked-attention layer) or ``"carried"`` (a
         recurrent or attention-free layer of a hybrid model, whose own cache layer is kept untouched: its
         counts are 0). ``bound`` says which rule bounds the layer: ``"budget"`` (the policy's),
-        ``"window"`` (its sliding window, where smaller than the budget) or ``None`` (neither: the cache
+        ``"window"`` (its sliding window or attention chunk, where smaller than the budget) or ``None`` (neither: the cache
         grows). ``retained_tokens`` is the most any head of the layer keeps, ``seen_tokens`` the most real
         tokens any row has fed, ``kv_bytes`` the bytes the layer's key/value slots occupy and
         ``state_bytes`` those of its bookkeeping (slot positions and the policy's per-slot state).

@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import inspect
 import warnings
-from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -27,6 +26,13 @@ from evictlayers.compose.positions import RotaryTable
 from evictlayers.hf import attention, versions
 from evictlayers.hf.cache import EvictionCache, EvictionLayer
 from evictlayers.hf.compiled_forward import CompiledDecodeForward
+from evictlayers.hf.prompt import (
+    GeneratePrompt,
+    check_prefill_arguments,
+    feed_in_chunks,
+    generate_prompt,
+    govern_prompt,
+)
 from evictlayers.hf.induction import induction_scores
 from evictlayers.hf.rotary import model_rotary_tables
 from evictlayers.hf.sentences import sentence_end_table
@@ -37,54 +43,6 @@ from evictlayers.kernels.prefill import mass_cpu
 
 _EVICTING_CLASSES: dict[type, type] = {}
 _ABSENT = object()  # the model had no forward of its own (instance attribute) before the patch
-
-
-@dataclass(frozen=True)
-class _GeneratePrompt:
-    """What a ``generate()`` call under the patch says about its prompt: the padding mask it runs with
-    (``[B, width]``, the one passed or the one transformers infers from the pad token), ``None`` where the call
-    continues a cache that already holds tokens (nothing to declare)."""
-
-    mask: torch.Tensor | None
-
-    @property
-    def width(self) -> int | None:
-        return None if self.mask is None else self.mask.shape[1]
-
-    def expanded(self, batch: int) -> torch.Tensor:
-        """The mask of a forward of ``batch`` rows: generate repeats each row for its beams and returned
-        sequences (``repeat_interleave``) before the first forward."""
-        rows = self.mask.shape[0]
-        if batch % rows:
-            raise RuntimeError(
-                f"evictlayers: generate() was given {rows} prompts but its first forward has {batch} rows"
-            )
-        return self.mask.repeat_interleave(batch // rows, dim=0) if batch != rows else self.mask
-
-
-def _generate_prompt(model: nn.Module, args: tuple, kwargs: dict) -> _GeneratePrompt:
-    """The prompt of ``model.generate(*args, **kwargs)``, read from its arguments as ``generate()`` reads them."""
-    cache = kwargs.get("past_key_values", kwargs.get("cache"))
-    if isinstance(cache, Cache) and cache.get_seq_length() > 0:
-        return _GeneratePrompt(None)  # a continuation: the cache's budget was fixed by its own prompt
-    ids = args[0] if args else kwargs.get("inputs", kwargs.get("input_ids"))
-    embeds, mask = kwargs.get("inputs_embeds"), kwargs.get("attention_mask")
-    inputs = embeds if embeds is not None else ids
-    if not isinstance(inputs, torch.Tensor) or inputs.dim() < 2 or inputs.shape[1] == 0:
-        return _GeneratePrompt(None)  # no prompt to read (generate starts from its BOS token)
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] == inputs.shape[1]:
-        return _GeneratePrompt(mask.bool())
-    mask = torch.ones(inputs.shape[:2], dtype=torch.bool, device=inputs.device)
-    if embeds is None and not inputs.is_floating_point():
-        # transformers' rule: padding is inferred from the pad token where the ids hold one that is no EOS
-        config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
-        pad = kwargs.get("pad_token_id", getattr(config, "pad_token_id", None))
-        eos = kwargs.get("eos_token_id", getattr(config, "eos_token_id", None))
-        pads = [] if pad is None else torch.as_tensor(pad).flatten().tolist()
-        eos = [] if eos is None else torch.as_tensor(eos).flatten().tolist()
-        if len(pads) == 1 and pads[0] not in eos and bool((inputs == pads[0]).any()):
-            mask = inputs != pads[0]
-    return _GeneratePrompt(mask)
 
 
 def _evicting_class(cls: type) -> type:
@@ -173,7 +131,7 @@ class EvictionRun:
         # which a one-token chunk too runs as prefill, never as the compiled decode forward
         self.step_tokens: int | None = None
         self.in_compiled_forward = False  # set by CompiledDecodeForward while its graph runs
-        self._generating: _GeneratePrompt | None = None  # the prompt of the generate() call under way
+        self._generating: GeneratePrompt | None = None  # the prompt of the generate() call under way
         # a float budget is a fraction of the prompt: a second prompt chunk without the prompt's length is refused
         self._fraction_budget = any(isinstance(p.budget, float) for p in layer_policies)
         # the step's [B, 1] real-token column while the compiled decode forward runs (read before the graph)
@@ -217,12 +175,12 @@ class EvictionRun:
 
     def _generate_knowing_the_prompt(self, generate):
         """``model.generate`` while the patch is active: the model's own, with the run knowing the call's prompt
-        (``_GeneratePrompt``), so that a prompt ``generate(..., prefill_chunk_size=N)`` feeds in chunks
+        (``GeneratePrompt``), so that a prompt ``generate(..., prefill_chunk_size=N)`` feeds in chunks
         resolves a float budget from all of it (``_govern_prompt``)."""
 
         @functools.wraps(generate)
         def generate_knowing_the_prompt(*args, **kwargs):
-            outer, self._generating = self._generating, _generate_prompt(self.model, args, kwargs)
+            outer, self._generating = self._generating, generate_prompt(self.model, args, kwargs)
             try:
                 return generate(*args, **kwargs)
             finally:
@@ -319,31 +277,7 @@ class EvictionRun:
         whole prompt it would feed the prompt again.)"""
         if getattr(self.model, "_evictlayers_run", None) is not self:
             raise RuntimeError("run.prefill: this run's patch was removed; call it inside the `with` block")
-        if isinstance(chunk, bool) or not isinstance(chunk, int):
-            raise TypeError(f"run.prefill(chunk={chunk!r}): expected an int number of tokens per forward")
-        if chunk < 1:
-            raise ValueError(f"run.prefill(chunk={chunk}): a chunk holds at least 1 token")
-        if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise ValueError(
-                "run.prefill(input_ids): expected a [batch, tokens] tensor of token ids, got "
-                f"{type(input_ids).__name__}{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else ''}"
-            )
-        width = input_ids.shape[1]
-        if width == 0:
-            raise ValueError("run.prefill(input_ids): the prompt is empty")
-        if attention_mask is not None and (
-            not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape
-        ):
-            shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
-            raise ValueError(
-                f"run.prefill(attention_mask): expected the prompt's [batch, tokens] = {tuple(input_ids.shape)} "
-                f"padding mask, got {shape}"
-            )
-        if position_ids is not None and (
-            not isinstance(position_ids, torch.Tensor) or position_ids.shape[-1] != width
-        ):
-            raise ValueError(f"run.prefill(position_ids): expected positions for the prompt's {width} tokens")
-        prompt_len = width if attention_mask is None else attention_mask.bool().sum(1)
+        prompt_len = check_prefill_arguments(input_ids, attention_mask, chunk, position_ids)
         if cache is None:
             cache = self.new_cache(prompt_len=prompt_len)
         elif not isinstance(cache, EvictionCache) or cache.get_seq_length() > 0:
@@ -353,17 +287,7 @@ class EvictionRun:
             )
         elif not cache.prompt_declared:
             cache.declare_prompt(prompt_len)
-        out = None
-        with torch.no_grad():
-            for start in range(0, width, chunk):
-                stop = min(start + chunk, width)
-                inputs = {"input_ids": input_ids[:, start:stop], "past_key_values": cache, "use_cache": True}
-                if attention_mask is not None:
-                    inputs["attention_mask"] = attention_mask[:, :stop]
-                if position_ids is not None:
-                    inputs["position_ids"] = position_ids[..., start:stop]
-                out = self.model(**inputs)
-        return out
+        return feed_in_chunks(self.model, cache, input_ids, attention_mask, chunk, position_ids)
 
     def _hook(self, signature: inspect.Signature):
         names = list(signature.parameters)
@@ -427,58 +351,9 @@ class EvictionRun:
         return before_forward
 
     def _govern_prompt(self, cache: EvictionCache, mask: torch.Tensor | None, batch: int, tokens: int) -> bool:
-        """Keep a float budget a fraction of the whole prompt, however the prompt arrives (before a forward of
-        ``tokens`` tokens per row on ``cache``); returns whether the forward is a chunk of a declared prompt.
-
-        The prompt phase of a cache lasts from its first forward to its first one-token forward. A forward of
-        several tokens on a cache that already holds tokens and has not decoded yet is therefore a second
-        chunk of the prompt; after a one-token forward (or past a declared prompt) a multi-token forward
-        continues the cache (a second turn, a question after a compressed context) and is left alone.
-
-        - Inside ``generate()``, whose prompt is known (``_GeneratePrompt``), a first forward shorter than the
-          prompt (``prefill_chunk_size``) declares the prompt's real tokens per row to the cache
-          (``EvictionCache.declare_prompt``, left padding excluded as in one forward), so every layer resolves
-          its budget at the first chunk as one forward of the prompt would; a ``generate()`` given a cache that
-          already holds tokens continues it.
-        - Outside it, a second chunk of a prompt whose length the cache was not told, under a float budget,
-          raises ``ValueError``: its budget was resolved from the first chunk alone. An ``int`` budget, a
-          declared length (``run.new_cache(prompt_len=...)``) or ``run.prefill`` are the ways to chunk a
-          prompt."""
-        if cache.decoded:
-            return False
-        held = cache.get_seq_length()
-        call = self._generating
-        if held == 0:
-            if call is not None and call.mask is not None and tokens < call.width and not cache.prompt_declared:
-                expected = call.expanded(batch)
-                if mask is not None and not torch.equal(mask[:, :tokens].bool(), expected[:, :tokens].to(mask.device)):
-                    raise RuntimeError(
-                        "evictlayers: generate()'s first prompt chunk runs with another padding mask than the one "
-                        "read from its arguments; pass attention_mask= to generate()"
-                    )
-                cache.declare_prompt(expected.sum(1))
-            return cache.prompt_declared
-        if cache.in_prompt:
-            if call is not None and call.width is not None and held >= call.width:
-                raise RuntimeError(
-                    f"evictlayers: generate() has fed its {call.width}-token prompt, but the cache still waits for "
-                    "prompt tokens: the prompt lengths read from its arguments disagree with the padding mask it "
-                    "ran with; pass attention_mask= to generate()"
-                )
-            return True
-        if tokens == 1:
-            cache.decoded = True
-            return False
-        if cache.prompt_declared or call is not None or not self._fraction_budget:
-            return False
-        raise ValueError(
-            f"evictlayers: this forward feeds {tokens} tokens per row to a cache that already holds {held} and has "
-            "not decoded yet, so it is a second chunk of the prompt; the policy's float budget "
-            f"(budget={self.policy.budget}) is a fraction of the whole prompt, but the cache resolved it from "
-            "the first chunk alone. Prefill in chunks with run.prefill(input_ids, attention_mask, chunk=N) or "
-            "model.generate(..., prefill_chunk_size=N), tell the cache the prompt's length "
-            "(run.new_cache(prompt_len=attention_mask.sum(1))), or use an int budget (tokens per head)"
-        )
+        """Whether a forward of ``tokens`` tokens per row on ``cache`` is a chunk of a declared prompt, declaring
+        ``generate()``'s prompt or refusing a chunk whose float budget would shrink (``prompt.govern_prompt``)."""
+        return govern_prompt(cache, mask, batch, tokens, self._generating, self._fraction_budget, self.policy.budget)
 
     def _mark_sentence_ends(self, input_ids: torch.Tensor | None) -> None:
         """Keep which of this forward's tokens end a sentence, for a policy that ranks sentences (``None``

@@ -36,7 +36,7 @@ class UnsupportedModelError(TypeError):
 
 
 # cache layer types (transformers' ``layer_types``) and what evictlayers does with each
-ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "hybrid", "hybrid_sliding"}
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "chunked_attention", "hybrid", "hybrid_sliding"}
 HYBRID_LAYER_TYPES = {"hybrid", "hybrid_sliding"}  # recurrent state and attention keys in one layer
 CARRIED_LAYER_TYPES = {"conv", "linear_attention"}  # recurrent state only: carried untouched
 EMPTY_LAYER_TYPES = {"dummy"}  # layers without attention (MoE/MLP-only blocks)
@@ -72,12 +72,15 @@ class AttentionLayer:
             tokens before it), ``None`` for a full-attention layer.
         recurrent_states: for a hybrid layer (recurrent state and attention keys in one cache layer), how
             many recurrent states it carries; ``None`` for a pure attention layer.
+        chunk: the chunk of a chunked-attention layer (Llama 4: a query sees the tokens of its own chunk of
+            ``chunk`` positions only), ``None`` elsewhere.
     """
 
     index: int
     module: nn.Module
     window: int | None
     recurrent_states: int | None = None
+    chunk: int | None = None
 
 
 @dataclass(frozen=True)
@@ -103,6 +106,9 @@ class ModelSupport:
 
     def window(self, layer_idx: int) -> int | None:
         return next((layer.window for layer in self.attention if layer.index == layer_idx), None)
+
+    def chunk(self, layer_idx: int) -> int | None:
+        return next((layer.chunk for layer in self.attention if layer.index == layer_idx), None)
 
     def recurrent_states(self, layer_idx: int) -> int | None:
         return next((layer.recurrent_states for layer in self.attention if layer.index == layer_idx), None)
@@ -217,7 +223,8 @@ def model_support(model: nn.Module) -> ModelSupport:
             _check_call(module, where, index)
             window = kwargs.get("sliding_window") if kind in ("sliding_attention", "hybrid_sliding") else None
             states = kwargs.get("number_of_states", 1) if kind in HYBRID_LAYER_TYPES else None
-            attention.append(AttentionLayer(index, module, window, states))
+            chunk = _attention_chunk(kwargs, where, index) if kind == "chunked_attention" else None
+            attention.append(AttentionLayer(index, module, window, states, chunk))
         elif kind in CARRIED_LAYER_TYPES or kind in EMPTY_LAYER_TYPES:
             if modules:
                 raise UnsupportedModelError(
@@ -227,8 +234,6 @@ def model_support(model: nn.Module) -> ModelSupport:
             carried[index] = (kind, kwargs)
         else:
             reason = {
-                "chunked_attention": "chunked attention (each query sees only its own chunk of attention_chunk_size "
-                "tokens), which evictlayers' masks do not implement",
                 "indexed_attention": "sparse attention (an indexer, with keys of its own in the cache, picks for each "
                 "query the tokens it attends to: DeepSeek's DSA, Qwen 4's QSA), which evictlayers does not implement; "
                 "its slot store would attend over every kept token",
@@ -243,6 +248,18 @@ def model_support(model: nn.Module) -> ModelSupport:
     if not attention:
         raise UnsupportedModelError(f"{where} has no attention layer to evict from")
     return ModelSupport(getattr(config, "model_type", "?"), tuple(layer_types), tuple(attention), carried)
+
+
+def _attention_chunk(kwargs: dict, where: str, index: int) -> int:
+    """The chunk of a chunked-attention cache layer (transformers sizes it by its ``sliding_window``: the
+    config's ``attention_chunk_size``)."""
+    chunk = kwargs.get("sliding_window")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 2:
+        raise UnsupportedModelError(
+            f"{where}, layer {index}: a chunked-attention layer has attention_chunk_size={chunk!r}, not a token "
+            "count of at least 2"
+        )
+    return chunk
 
 
 def _kv_sharing_layers(text_config) -> list[int]:
