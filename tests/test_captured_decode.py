@@ -78,7 +78,8 @@ def test_a_full_cache_that_grows_keeps_one_graph_per_size(graphs):
         capacities = set()
         for _ in range(150):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = model(out.logits[:, -1:].argmax(-1), attention_mask=mask, past_key_values=cache)
+            out = model(out.logits[:, -1:].argmax(-1), attention_mask=mask, position_ids=positions(mask),
+                        past_key_values=cache)
             capacities.add(cache.layers[0].store.capacity)
     assert len(capacities) == 3
     # the first graph holds its buffers' size, the second is generic over it: none after
@@ -96,9 +97,16 @@ def test_a_step_that_cannot_be_one_graph_says_why_once(graphs):
     assert "ClusterSketch" in paths["eager_reason"]
 
 
-def test_the_mask_and_positions_are_not_arguments_of_the_graph(monkeypatch):
-    """What the graph is called with at a step: no mask (its length grows), positions as a tensor (the model
-    would count them from the cache's length, an int), the step's padding column handed to the attention."""
+def positions(mask: torch.Tensor) -> torch.Tensor:
+    """``[B, 1]``: the position of each row's newest token, as ``generate()`` counts it (real tokens only)."""
+    return mask.long().cumsum(-1)[:, -1:] - 1
+
+
+@pytest.mark.parametrize("given", [True, False], ids=["positions-given", "no-positions"])
+def test_the_mask_is_no_argument_of_the_graph_where_the_positions_are(given, monkeypatch):
+    """What the graph is called with at a step: with the positions given (as ``generate()`` gives them) no mask,
+    whose length grows; without them the mask, from which some models (OPT) count the positions. The step's
+    padding column is handed to the attention either way."""
     model = build("llama")
     calls = []
     with torch.no_grad(), el.apply(model, POLICIES["h2o"](), compile=True) as run:
@@ -115,9 +123,34 @@ def test_the_mask_and_positions_are_not_arguments_of_the_graph(monkeypatch):
         out = model(ids, attention_mask=mask, past_key_values=cache)
         for _ in range(2):
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            out = model(out.logits[:, -1:].argmax(-1), attention_mask=mask, past_key_values=cache)
+            extra = {"position_ids": positions(mask)} if given else {}
+            out = model(out.logits[:, -1:].argmax(-1), attention_mask=mask, past_key_values=cache, **extra)
     assert len(calls) == 2
     for step, (kwargs, real) in enumerate(calls):
-        assert kwargs["attention_mask"] is None
-        assert kwargs["position_ids"].tolist() == [[12 + step]]
+        if given:
+            assert kwargs["attention_mask"] is None
+            assert kwargs["position_ids"].tolist() == [[12 + step], [9 + step]]
+        else:
+            assert kwargs["attention_mask"].shape == (2, 13 + step) and kwargs.get("position_ids") is None
         assert real.dtype == torch.bool and real.tolist() == [[True], [True]]
+
+
+@pytest.mark.parametrize("family", ["opt", "llama"])
+def test_a_model_that_counts_positions_from_the_mask_decodes_as_eagerly(family):
+    """Without positions in the call, a model that counts them from the mask (OPT: its cumulative sum, so left
+    padding shifts each row's) gets its mask in the graph and the eager logits."""
+    model = build(family)
+    logits = {}
+    for compile in (False, True):
+        torch._dynamo.reset()
+        ids, mask = left_padded([12, 9])
+        with torch.no_grad(), el.apply(model, POLICIES["h2o"](), compile=compile) as run:
+            cache = run.new_cache()
+            out = model(ids, attention_mask=mask, past_key_values=cache)
+            steps = []
+            for _ in range(6):
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+                out = model(out.logits[:, -1:].argmax(-1), attention_mask=mask, past_key_values=cache)
+                steps.append(out.logits[:, -1])
+        logits[compile] = torch.stack(steps)
+    torch.testing.assert_close(logits[True], logits[False], rtol=1e-4, atol=1e-4)

@@ -86,21 +86,22 @@ def test_cuda_shipped_recipes_decode_as_on_the_cpu(recipe, monkeypatch):
 
 
 def test_cuda_compiled_step_is_one_graph_with_the_eager_logits():
-    eager, eager_stats = decode_logits(build("llama"), POLICIES["h2o"](), "cuda")
+    eager, eager_stats = stepped(build("llama"), POLICIES["h2o"](), compile=False)
     torch._dynamo.reset()
     counters.clear()
-    compiled, stats = decode_logits(build("llama"), POLICIES["h2o"](), "cuda", compile=True)
+    compiled, stats = stepped(build("llama"), POLICIES["h2o"](), compile=True)
     # the whole decode forward, one graph for every step, captured
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     torch.testing.assert_close(compiled, eager, rtol=1e-4, atol=1e-4)
-    assert stats == eager_stats
+    assert stats.pop("compiled_decode")["captured"] and stats == eager_stats
 
 
 def stepped(model, policy, *, compile: bool, steps: int = 30, quiet_from: int | None = None):
     """``[steps, B, vocab]`` logits of a greedy loop on CUDA over a left-padded batch of two, tokens chosen on the
-    device, and ``run.stats()``. From step ``quiet_from`` on, any host synchronisation raises
-    (``torch.cuda.set_sync_debug_mode("error")``); the logits are read back after the loop."""
+    device and positions passed as ``generate()`` passes them, and ``run.stats()``. From step ``quiet_from`` on,
+    any host synchronisation raises (``torch.cuda.set_sync_debug_mode("error")``); the logits are read back
+    after the loop."""
     model = model.to("cuda")
     ids, mask = (t.to("cuda") for t in left_padded(LENGTHS))
     logits = []
@@ -113,7 +114,8 @@ def stepped(model, policy, *, compile: bool, steps: int = 30, quiet_from: int | 
                     torch.cuda.set_sync_debug_mode("error")
                 token = out.logits[:, -1:].argmax(-1)
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                out = model(input_ids=token, attention_mask=mask, past_key_values=cache)
+                positions = mask.cumsum(-1)[:, -1:] - 1
+                out = model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache)
                 logits.append(out.logits[:, -1].float().clone())  # a replay's outputs are its graph's buffers
         finally:
             torch.cuda.set_sync_debug_mode(0)

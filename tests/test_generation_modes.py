@@ -96,12 +96,14 @@ def test_reorder_moves_positions_and_every_state_with_the_rows():
         torch.testing.assert_close(moved.state[name], fresh.state[name])
 
 
-def test_assisted_generation_is_refused_clearly():
-    model, assistant = build("llama"), build("llama", seed=1)
+@pytest.mark.parametrize("mode", ["assistant_model", "prompt_lookup_num_tokens"])
+def test_generation_that_rolls_the_cache_back_is_refused_clearly(mode):
+    model = build("llama")
     ids, mask = left_padded([20])
+    option = {"assistant_model": build("llama", seed=1)} if mode == "assistant_model" else {mode: 3}
     with torch.no_grad(), el.apply(model, NOTHING_EVICTED):
-        with pytest.raises(NotImplementedError, match="assisted"):
-            model.generate(ids, attention_mask=mask, max_new_tokens=6, assistant_model=assistant, do_sample=False)
+        with pytest.raises(NotImplementedError, match=f"cannot be cropped.*given {mode}"):
+            model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False, **option)
 
 
 def test_same_seed_same_tokens_twice_under_eviction():

@@ -35,7 +35,7 @@ def _quietly() -> None:
         check_transformers_version()
 
 
-@pytest.mark.parametrize("version", ["5.14.1", "5.19.0", "5.21.1", "5.22.2", "5.23.0", "5.23.9", "5.23.0.dev0", "5.14.0rc1"])
+@pytest.mark.parametrize("version", ["5.14.1", "5.19.0", "5.21.1", "5.22.2", "5.23.0", "5.24.0", "5.24.9", "5.24.0.dev0", "5.14.0rc1"])
 def test_tested_versions_pass_silently(installed, version):
     installed(version)
     _quietly()
@@ -48,18 +48,18 @@ def test_older_versions_are_refused_naming_installed_and_tested(installed, versi
         check_transformers_version()
     message = str(raised.value)
     assert f"transformers {version} is installed" in message
-    assert "5.14 to 5.23" in message and ">= 5.14" in message
+    assert "5.14 to 5.24" in message and ">= 5.14" in message
     assert not versions._warned
 
 
-@pytest.mark.parametrize("version", ["5.24.0", "5.24.0.dev0", "5.30.1", "6.0.0"])
+@pytest.mark.parametrize("version", ["5.25.0", "5.25.0.dev0", "5.30.1", "6.0.0"])
 def test_newer_versions_warn_once(installed, version):
     installed(version)
     with pytest.warns(UserWarning) as caught:
         check_transformers_version()
     assert len(caught) == 1
     message = str(caught[0].message)
-    assert f"transformers {version} is installed" in message and "tested on transformers 5.14 to 5.23" in message
+    assert f"transformers {version} is installed" in message and "tested on transformers 5.14 to 5.24" in message
     with warnings.catch_warnings(record=True) as again:
         warnings.simplefilter("always")  # Python's own once-per-location filter cannot hide a second warning
         check_transformers_version()
@@ -68,10 +68,10 @@ def test_newer_versions_warn_once(installed, version):
 
 
 def test_warns_once_per_process_even_across_newer_versions(installed):
-    installed("5.24.0")
+    installed("5.25.0")
     with pytest.warns(UserWarning):
         check_transformers_version()
-    installed("5.25.0")
+    installed("5.26.0")
     with warnings.catch_warnings(record=True) as again:
         warnings.simplefilter("always")
         check_transformers_version()
@@ -118,7 +118,7 @@ def test_apply_warns_once_above_the_range_and_refuses_below_before_touching_the_
 
     model = build("llama")
     installed("5.99.0")
-    with pytest.warns(UserWarning, match="tested on transformers 5.14 to 5.23"):
+    with pytest.warns(UserWarning, match="tested on transformers 5.14 to 5.24"):
         with el.apply(model, el.Policy(budget=None)):
             pass
     with warnings.catch_warnings():

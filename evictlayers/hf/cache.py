@@ -11,6 +11,12 @@ from evictlayers.compose.positions import RotaryTable
 from evictlayers.hf.support import ModelSupport
 
 
+ROLLBACK_REFUSED = (
+    "an eviction cache cannot be cropped: evicted tokens are gone, so generation modes that roll the "
+    "cache back (assisted/speculative generation, prompt lookup, DoLa) are not supported under el.apply"
+)
+
+
 class EvictionLayer(CacheLayerMixin):
     """A cache layer whose ``update`` only stages the new keys/values.
 
@@ -117,10 +123,7 @@ class EvictionLayer(CacheLayerMixin):
         self.staged = None
 
     def crop(self, tokens_to_remove: int) -> None:
-        raise NotImplementedError(
-            "an eviction cache cannot be cropped: evicted tokens are gone, so generation modes that roll the "
-            "cache back (assisted/speculative generation, prompt lookup, DoLa) are not supported under el.apply"
-        )
+        raise NotImplementedError(ROLLBACK_REFUSED)
 
 
 class EvictionHybridLayer(LinearAttentionLayer, EvictionLayer):

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 import warnings
 from typing import Callable
 
@@ -65,7 +64,6 @@ class CompiledDecodeForward:
         self.compiled: Callable | None = None
         self.weights: tuple | None = None  # the signature of the weights a "max-autotune" graph holds
         self.modules = list(run.model.modules())  # whose parameters the signature reads, listed once
-        self.takes_positions = "position_ids" in inspect.signature(eager).parameters
         self.graph_steps = self.eager_steps = 0  # one-token forwards through the graph / the model's own forward
         self.eager_reason: str | None = None
         self.warned: set[str] = set()
@@ -124,17 +122,16 @@ class CompiledDecodeForward:
                 store.unpadded_step = False
 
     def fixed_shape_arguments(self, seen: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The forward's arguments with nothing in them that grows or counts with the sequence, so that one
-        graph (and on CUDA one captured graph) serves every step: the step's column of the padding mask is
+        """The forward's arguments with nothing in them that grows with the sequence where that is safe, so that
+        one graph (and on CUDA one captured graph) serves every step: the step's column of the padding mask is
         read here, eagerly, and handed to the attention as ``run.step_real`` (the slot stores mask by
-        position; nothing else of the model reads the mask at a one-token step), the mask itself is not
-        passed, and positions the model would count from the cache's length are made here as a tensor
-        (``seen`` columns so far). Arguments passed by position are left as they are."""
+        position), and where the call passes its positions (``generate()`` does) the mask itself is not passed:
+        nothing else of the model reads it then. A call without positions keeps its mask, from which some models
+        (OPT, BioGPT) count them; the graph then takes the mask's growing length as a value, which costs a
+        second compile and, on CUDA, a recording per step, never other logits."""
         self.run.step_real = self.run.real_tokens(seen, 1)
-        kwargs = {**kwargs, "attention_mask": None} if "attention_mask" in kwargs else kwargs
-        if self.takes_positions and kwargs.get("position_ids") is None and len(args) <= 1:
-            device = self.run.cache.layers[0].store.pos.device
-            kwargs = {**kwargs, "position_ids": torch.full((1, 1), seen, dtype=torch.long, device=device)}
+        if kwargs.get("position_ids") is not None and "attention_mask" in kwargs:
+            kwargs = {**kwargs, "attention_mask": None}
         return args, kwargs
 
     def stores_in_place(self) -> list | None:

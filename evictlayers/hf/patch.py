@@ -32,6 +32,7 @@ from evictlayers.hf.prompt import (
     feed_in_chunks,
     generate_prompt,
     govern_prompt,
+    refuse_rollback,
 )
 from evictlayers.hf.induction import induction_scores
 from evictlayers.hf.rotary import model_rotary_tables
@@ -180,6 +181,7 @@ class EvictionRun:
 
         @functools.wraps(generate)
         def generate_knowing_the_prompt(*args, **kwargs):
+            refuse_rollback(kwargs)
             outer, self._generating = self._generating, generate_prompt(self.model, args, kwargs)
             try:
                 return generate(*args, **kwargs)

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from transformers.cache_utils import Cache
 
-from evictlayers.hf.cache import EvictionCache
+from evictlayers.hf.cache import ROLLBACK_REFUSED, EvictionCache
 
 
 @dataclass(frozen=True)
@@ -65,6 +65,20 @@ def generate_prompt(model: nn.Module, args: tuple, kwargs: dict) -> GenerateProm
         if len(pads) == 1 and pads[0] not in eos and bool((inputs == pads[0]).any()):
             mask = inputs != pads[0]
     return GeneratePrompt(mask)
+
+
+#: ``generate()`` arguments of the modes that roll the cache back after a draft (``EvictionLayer.crop``)
+ROLLBACK_ARGUMENTS = ("assistant_model", "prompt_lookup_num_tokens", "dola_layers")
+
+
+def refuse_rollback(kwargs: dict) -> None:
+    """Refuse a ``generate()`` call that would roll the cache back, before it runs: transformers refuses such a
+    cache in its own words in some releases and calls ``crop`` in others."""
+    config = kwargs.get("generation_config")
+    asked = [name for name in ROLLBACK_ARGUMENTS
+             if kwargs.get(name) is not None or getattr(config, name, None) is not None]
+    if asked:
+        raise NotImplementedError(f"{ROLLBACK_REFUSED} (generate() was given {', '.join(asked)})")
 
 
 def govern_prompt(cache: EvictionCache, mask: torch.Tensor | None, batch: int, tokens: int,

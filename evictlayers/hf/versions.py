@@ -3,7 +3,7 @@
 evictlayers reaches into transformers' attention modules and cache classes, which change between
 minor releases, so only the minors below are known to give the unmodified model's results:
 
-- ``TESTED_HIGHEST`` (5.23): the whole test suite, and ``docs/models.md`` was generated on it;
+- ``TESTED_HIGHEST`` (5.24): the whole test suite, and ``docs/models.md`` was generated on it;
 - ``TESTED_LOWEST`` (5.14.1, pinned exactly by CI's ``compat`` job, ``bash scripts/run.sh compat``):
   the conformance sweep and the family tests.
 
@@ -11,7 +11,7 @@ Between the two, transformers 5.14 to 5.18 return one cache-layer keywords dict 
 (``hf/support.py`` splits it per layer type), and 5.14 to 5.20 offer sdpa for Gemma2 while ignoring its
 soft-capping (``apply`` refuses soft-capped logits under sdpa). 5.13 and older lack
 ``transformers.cache_utils.DYNAMIC_LAYER_TYPE_MAPPING`` and build cache layers differently. Above
-5.23 evictlayers may work but is untested: ``check_transformers_version`` warns once.
+5.24 evictlayers may work but is untested: ``check_transformers_version`` warns once.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import warnings
 from packaging.version import InvalidVersion, Version
 
 TESTED_LOWEST = (5, 14)  # the lowest tested minor (CI's compat job runs 5.14.1)
-TESTED_HIGHEST = (5, 23)  # the highest tested minor (the full test suite)
+TESTED_HIGHEST = (5, 24)  # the highest tested minor (the full test suite)
 
 _warned = False
 
@@ -31,7 +31,7 @@ class UnsupportedTransformersError(RuntimeError):
 
 
 def tested_range() -> str:
-    """``"5.14 to 5.23"``: the tested minors, for messages."""
+    """``"5.14 to 5.24"``: the tested minors, for messages."""
     return f"{TESTED_LOWEST[0]}.{TESTED_LOWEST[1]} to {TESTED_HIGHEST[0]}.{TESTED_HIGHEST[1]}"
 
 
@@ -50,7 +50,7 @@ def check_transformers_version(version: str | None = None) -> None:
     """Refuse a transformers older than the tested range; warn once when it is newer.
 
     ``version`` defaults to the installed ``transformers.__version__`` (read at each call). A pre-release
-    or dev build counts as its minor (``5.24.0.dev0`` is 5.24).
+    or dev build counts as its minor (``5.25.0.dev0`` is 5.25).
 
     Raises:
         UnsupportedTransformersError: the installed transformers is below ``TESTED_LOWEST``.
