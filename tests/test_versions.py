@@ -101,7 +101,7 @@ def test_installed_transformers_is_in_the_tested_range(monkeypatch):
 
 
 def test_range_matches_pyproject_and_the_ci_compat_job():
-    """pyproject's transformers requirement, the compat job's pin and ``versions`` name the same range."""
+    """pyproject's transformers requirement, the main and compat jobs' pins and ``versions`` name the same range."""
     pyproject = (REPO / "pyproject.toml").read_text(encoding="utf-8")
     (low, high), = re.findall(r'"transformers>=(\d+\.\d+),<(\d+\.\d+)"', pyproject)
     assert tuple(map(int, low.split("."))) == TESTED_LOWEST
@@ -110,6 +110,9 @@ def test_range_matches_pyproject_and_the_ci_compat_job():
     (pinned,) = re.findall(r'^COMPAT_TRANSFORMERS="(\d+\.\d+\.\d+)"$', run_sh, flags=re.MULTILINE)
     assert '"transformers==$COMPAT_TRANSFORMERS"' in run_sh
     assert tuple(map(int, pinned.split(".")))[:2] == TESTED_LOWEST
+    (top,) = re.findall(r'^TOP_TRANSFORMERS="(\d+\.\d+\.\d+)"$', run_sh, flags=re.MULTILINE)
+    assert '"transformers==$TOP_TRANSFORMERS"' in run_sh
+    assert tuple(map(int, top.split(".")))[:2] == TESTED_HIGHEST
 
 
 def test_apply_warns_once_above_the_range_and_refuses_below_before_touching_the_model(installed):

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from evictlayers.eval import ruler_report
-from evictlayers.eval.report_common import budget_text, pyplot
+from evictlayers.eval.report_common import budget_text, chunked_prefill, prefill_text, pyplot
 
 __all__ = [
     "format_score",
@@ -32,8 +32,8 @@ def format_score(value: float, score_name: str) -> str:
 
 
 def markdown_table(result: dict) -> str:
-    """One row per policy x budget: score, task extras, memory kept, throughput (RULER: one column per
-    task, :func:`evictlayers.eval.ruler_report.markdown_table`)."""
+    """One row per policy x budget: score, task extras, memory kept, throughput, and how the prompts were fed
+    where they went in chunks (RULER: one column per task, :func:`evictlayers.eval.ruler_report.markdown_table`)."""
     task, score_name = result["task"], result["score_name"]
     if task == "ruler":
         return ruler_report.markdown_table(result)
@@ -42,11 +42,13 @@ def markdown_table(result: dict) -> str:
         extra = [("KL (nats)", "kl"), ("perplexity", "perplexity")]
     elif task in ("passkey", "lines"):
         extra = [("correct", "correct")]
-    header = ["policy", "budget", score_name, *[name for name, _ in extra], "KV kept", "KV MiB / seq",
-              "tokens/s", "evenness"]
+    prefill = chunked_prefill(result)
+    header = ["policy", "budget", *(["prefill"] if prefill else []), score_name, *[name for name, _ in extra],
+              "KV kept", "KV MiB / seq", "tokens/s", "evenness"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for run in result["runs"]:
-        cells = [run["policy"], budget_text(run), format_score(run["score"], score_name)]
+        cells = [run["policy"], budget_text(run), *([prefill_text(run)] if prefill else []),
+                 format_score(run["score"], score_name)]
         for _, key in extra:
             value = run.get(key)
             if key == "correct":

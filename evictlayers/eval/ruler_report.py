@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from evictlayers.eval.report_common import budget_text, pyplot
+from evictlayers.eval.report_common import budget_text, chunked_prefill, prefill_text, pyplot
 from evictlayers.eval.tasks.ruler import GROUPS, TASKS
 
 __all__ = ["compression_ratio", "markdown_table", "plot_ruler", "score_of"]
@@ -36,15 +36,19 @@ def score_of(run: dict, setting: str, tasks: Sequence[str] | None = None) -> flo
 
 
 def markdown_table(result: dict) -> str:
-    """RULER's task scores (0-100) per recipe, budget, setting and length, with their average."""
+    """RULER's task scores (0-100) per recipe, budget, setting and length, with their average (and how the
+    prompts were fed, where they went in chunks)."""
     tasks = [t for t in TASKS if t in result["settings"]["tasks"]]
-    header = ["policy", "budget", "setting", "length", *tasks, "average", "KV kept", "tokens/s"]
+    prefill = chunked_prefill(result)
+    header = ["policy", "budget", *(["prefill"] if prefill else []), "setting", "length", *tasks, "average",
+              "KV kept", "tokens/s"]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for run in result["runs"]:
         for setting, by_length in run["scores"].items():
             memory = run.get("memory_by_setting", {}).get(setting, run)
             for length, by_task in by_length.items():
-                cells = [run["policy"], budget_text(run), SHORT[setting], length]
+                cells = [run["policy"], budget_text(run), *([prefill_text(run)] if prefill else []), SHORT[setting],
+                         length]
                 cells += [f"{by_task[t]:.1f}" if t in by_task else "-" for t in tasks]
                 cells += [f"{sum(by_task.values()) / len(by_task):.1f}", f"{memory['kept_fraction']:.1%}",
                           f"{memory['tokens_per_s']:.1f}"]

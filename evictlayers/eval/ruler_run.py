@@ -10,6 +10,10 @@ continues (``model.generate`` from the filled cache). A fractional budget is the
 context (the first forward), as kvpress's compression ratio applies to the context; the cache stays
 bounded while the question and the answer go in.
 
+``prefill_chunk=N`` feeds the prompt (query-agnostic: the context, then the question) ``N`` tokens per
+forward, so that it holds at most ``budget + N`` tokens per head; a fractional budget stays a fraction of
+the whole prompt (context).
+
 With a full cache both settings compute the same attention over the same tokens, so they produce the
 unmodified model's greedy tokens.
 """
@@ -42,9 +46,10 @@ def _left_pad(rows: Sequence[Sequence[int]], pad: int) -> tuple[torch.Tensor, to
 
 
 def generate_query_aware(model, policy: el.Policy, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                         pad_token_id: int, compile: bool = False, tokenizer=None):
-    """Greedy continuations of left-padded ``prompts`` under ``policy``, each prompt one prefill
-    (``tokenizer``: for a policy that ranks sentences, see ``evictlayers.apply``).
+                         pad_token_id: int, compile: bool = False, tokenizer=None, prefill_chunk: int | None = None):
+    """Greedy continuations of left-padded ``prompts`` under ``policy``, each prompt one prefill, in forwards
+    of ``prefill_chunk`` tokens where given (``tokenizer``: for a policy that ranks sentences, see
+    ``evictlayers.apply``).
 
     Returns ``(new token ids per row [B, <= max_new_tokens], cache, stats, seconds)``.
     """
@@ -52,26 +57,32 @@ def generate_query_aware(model, policy: el.Policy, prompts: Sequence[Sequence[in
     start = time.perf_counter()
     with torch.inference_mode(), el.apply(model, policy, compile=compile, tokenizer=tokenizer) as run:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=pad_token_id)
+                             pad_token_id=pad_token_id, prefill_chunk_size=prefill_chunk)
         cache, stats = run.cache, run.stats()
     return out[:, ids.shape[1] :], cache, stats, time.perf_counter() - start
 
 
 def generate_query_agnostic(model, policy: el.Policy, prompt: Sequence[int], n_context: int, max_new_tokens: int,
-                            pad_token_id: int, compile: bool = False, tokenizer=None):
+                            pad_token_id: int, compile: bool = False, tokenizer=None,
+                            prefill_chunk: int | None = None):
     """Greedy continuation of one prompt whose first ``n_context`` tokens are prefilled (and compressed)
-    before the rest is seen. Returns ``(new token ids [1, <= max_new_tokens], cache, stats, seconds)``."""
+    before the rest is seen, both parts in forwards of ``prefill_chunk`` tokens where given. Returns
+    ``(new token ids [1, <= max_new_tokens], cache, stats, seconds)``."""
     if not 0 < n_context < len(prompt):
         raise ValueError(f"n_context must split the prompt (0 < n_context < {len(prompt)}), got {n_context}")
     ids = torch.tensor([list(prompt)], dtype=torch.long)
     start = time.perf_counter()
     with torch.inference_mode(), el.apply(model, policy, compile=compile, tokenizer=tokenizer) as run:
         cache = run.new_cache()
-        model(input_ids=ids[:, :n_context], attention_mask=torch.ones(1, n_context, dtype=torch.long),
-              past_key_values=cache, use_cache=True)
+        context, context_mask = ids[:, :n_context], torch.ones(1, n_context, dtype=torch.long)
+        if prefill_chunk is None:
+            model(input_ids=context, attention_mask=context_mask, past_key_values=cache, use_cache=True)
+        else:
+            run.prefill(context, context_mask, chunk=prefill_chunk, cache=cache)
         # generate() feeds only the tokens the cache has not seen: the question, then the answer
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
-                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id)
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id,
+                             prefill_chunk_size=prefill_chunk)
         stats = run.stats()
     return out[:, ids.shape[1] :], cache, stats, time.perf_counter() - start
 

@@ -25,6 +25,8 @@ Five tasks (:data:`TASKS`):
 Budgets: generation tasks pass the policy as it is (an ``int`` is tokens per head, a ``float`` a
 fraction of each prompt). A stream's first forward is one chunk, so a ``float`` budget is turned into
 ``round(budget * tokens streamed)`` tokens per head before the stream starts.
+A generation task's ``prefill_chunk=N`` feeds each prompt ``N`` tokens at a time
+(``generate(prefill_chunk_size=N)``), still resolving a ``float`` budget from the whole prompt.
 
 Every run also reports retained KV bytes, the fraction of KV slots kept, tokens/s, and the histogram of
 retained original positions (:func:`evictlayers.eval.metrics.position_histogram`).
@@ -148,21 +150,32 @@ class EvalTask:
 # ---- generation tasks --------------------------------------------------------------------------
 
 
+def checked_prefill_chunk(prefill_chunk: int | None) -> int | None:
+    """A generation task's ``prefill_chunk``: ``None`` (each prompt in one forward) or the tokens per prompt
+    forward (``generate(prefill_chunk_size=N)``), a positive ``int``."""
+    if prefill_chunk is not None and (isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, int)
+                                      or prefill_chunk < 1):
+        raise ValueError(f"prefill_chunk (--prefill-chunk) must be a positive number of tokens, "
+                         f"got {prefill_chunk!r}")
+    return prefill_chunk
+
+
 class _GenerationTask(EvalTask):
     score_name = "accuracy"
     higher_is_better = True
 
-    def __init__(self, tokenizer, max_new_tokens: int = 8, n_bins: int = 20):
+    def __init__(self, tokenizer, max_new_tokens: int = 8, n_bins: int = 20, prefill_chunk: int | None = None):
         super().__init__(tokenizer, n_bins)
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         self.max_new_tokens = max_new_tokens
+        self.prefill_chunk = checked_prefill_chunk(prefill_chunk)
         if getattr(tokenizer, "pad_token", None) is None and getattr(tokenizer, "eos_token", None) is not None:
             tokenizer.pad_token = tokenizer.eos_token
         tokenizer.padding_side = "left"  # generation continues every row at the right edge
 
     def settings(self) -> dict:
-        return {**super().settings(), "max_new_tokens": self.max_new_tokens}
+        return {**super().settings(), "max_new_tokens": self.max_new_tokens, "prefill_chunk": self.prefill_chunk}
 
     def collate(self, rows: list[dict]) -> dict:
         encoded = self.tokenizer([r["text"] for r in rows], return_tensors="pt", padding=True)
@@ -179,7 +192,7 @@ class _GenerationTask(EvalTask):
         with el.apply(model, policy, compile=self.compile, tokenizer=self.tokenizer) as run:
             out = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                pad_token_id=self.tokenizer.pad_token_id,
+                pad_token_id=self.tokenizer.pad_token_id, prefill_chunk_size=self.prefill_chunk,
             )
             cache, stats = run.cache, run.stats()
         seconds = time.perf_counter() - start
@@ -210,6 +223,7 @@ class _GenerationTask(EvalTask):
             "correct": correct,
             "by_depth": {str(d): sum(v) / len(v) for d, v in sorted(by_depth.items())},
             "prompt_tokens": sum(r["prompt_tokens"] for r in records) / len(records),
+            "prefill_chunk": self.prefill_chunk,
             **self._common_summary(records),
         }
 
@@ -231,8 +245,9 @@ class PasskeyTask(_GenerationTask):
         haystack: str = "filler",
         chat: bool = False,
         data=None,
+        prefill_chunk: int | None = None,
     ):
-        super().__init__(tokenizer, max_new_tokens, n_bins)
+        super().__init__(tokenizer, max_new_tokens, n_bins, prefill_chunk)
         if haystack not in HAYSTACKS:
             raise ValueError(f"passkey haystack={haystack!r}: expected one of {HAYSTACKS}")
         if data is not None and haystack != "prose":
@@ -293,8 +308,9 @@ class LinesTask(_GenerationTask):
         seed: int = 0,
         max_new_tokens: int = 8,
         n_bins: int = 20,
+        prefill_chunk: int | None = None,
     ):
-        super().__init__(tokenizer, max_new_tokens, n_bins)
+        super().__init__(tokenizer, max_new_tokens, n_bins, prefill_chunk)
         self.n_prompts, self.n_lines, self.seed = n_prompts, n_lines, seed
         lines_prompts(tokenizer, n_prompts=1, n_lines=n_lines)  # validate the sizes now
 
@@ -460,6 +476,8 @@ class RulerTask(EvalTask):
         max_new_tokens: tokens generated per prompt (default: RULER's per task: 128 for NIAH, 30 for
             vt, 120 for cwe, 50 for fwe), also reserved out of the length.
         data: the books for essay haystacks and word lists (default: the PG-19 sample).
+        prefill_chunk: feed each prompt (query-agnostic: the context, then the question) through the model
+            this many tokens at a time; ``None``: one forward.
     """
 
     name = "ruler"
@@ -479,8 +497,10 @@ class RulerTask(EvalTask):
         data=None,
         split: str | None = None,
         n_bins: int = 20,
+        prefill_chunk: int | None = None,
     ):
         super().__init__(tokenizer, n_bins)
+        self.prefill_chunk = checked_prefill_chunk(prefill_chunk)
         self.tasks = list(RULER_TASKS) if tasks is None else list(dict.fromkeys(tasks))
         unknown = [t for t in self.tasks if t not in RULER_TASKS]
         if unknown or not self.tasks:
@@ -515,7 +535,8 @@ class RulerTask(EvalTask):
     def settings(self) -> dict:
         return {**super().settings(), "tasks": self.tasks, "lengths": self.lengths, "samples": self.samples,
                 "setting": self.setting, "template": self.template, "chat": self.chat, "seed": self.seed,
-                "max_new_tokens": self.max_new_tokens, "sources": self.sources, "split": self.split}
+                "max_new_tokens": self.max_new_tokens, "sources": self.sources, "split": self.split,
+                "prefill_chunk": self.prefill_chunk}
 
     def check_model(self, model) -> None:
         config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
@@ -551,10 +572,12 @@ class RulerTask(EvalTask):
             steps = group[0]["max_new_tokens"]
             if group[0]["setting"] == "query_aware":
                 new, cache, stats, seconds = generate_query_aware(
-                    model, policy, [r["input_ids"] for r in group], steps, pad, self.compile, self.tokenizer)
+                    model, policy, [r["input_ids"] for r in group], steps, pad, self.compile, self.tokenizer,
+                    self.prefill_chunk)
             else:
                 new, cache, stats, seconds = generate_query_agnostic(
-                    model, policy, group[0]["input_ids"], group[0]["n_context"], steps, pad, self.compile, self.tokenizer)
+                    model, policy, group[0]["input_ids"], group[0]["n_context"], steps, pad, self.compile,
+                    self.tokenizer, self.prefill_chunk)
             memory = self._memory_records(cache, stats, len(group), seconds)
             for b, row in enumerate(group):
                 tokens = new[b].tolist()
@@ -572,7 +595,7 @@ class RulerTask(EvalTask):
             common = self._common_summary([r for r in records if r["setting"] == setting])
             memory[setting] = {k: common[k] for k in ("kept_fraction", "kv_bytes", "tokens_per_s", "budget_tokens")}
         return {**summarize_ruler(records), "prompt_tokens": sum(r["prompt_tokens"] for r in records) / len(records),
-                "memory_by_setting": memory, **self._common_summary(records)}
+                "prefill_chunk": self.prefill_chunk, "memory_by_setting": memory, **self._common_summary(records)}
 
 
 TASKS: dict[str, type[EvalTask]] = {
