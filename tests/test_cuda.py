@@ -19,6 +19,7 @@ from evictlayers.compose.recipes import SHIPPED_RECIPES
 from evictlayers.compose.store import CompileError
 from evictlayers.kernels import dispatch
 from kernel_inputs import on_device, prefill_inputs, quantized_inputs
+from test_captured_decode import positions
 from test_compile import LENGTHS, POLICIES
 from test_compile import decode_logits as compiled_decode_logits
 from tiny_models import build, left_padded
@@ -114,8 +115,7 @@ def stepped(model, policy, *, compile: bool, steps: int = 30, quiet_from: int | 
                     torch.cuda.set_sync_debug_mode("error")
                 token = out.logits[:, -1:].argmax(-1)
                 mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-                positions = mask.cumsum(-1)[:, -1:] - 1
-                out = model(input_ids=token, attention_mask=mask, position_ids=positions, past_key_values=cache)
+                out = model(input_ids=token, attention_mask=mask, position_ids=positions(mask), past_key_values=cache)
                 logits.append(out.logits[:, -1].float().clone())  # a replay's outputs are its graph's buffers
         finally:
             torch.cuda.set_sync_debug_mode(0)

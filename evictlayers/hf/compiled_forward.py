@@ -89,7 +89,7 @@ class CompiledDecodeForward:
         if captured:
             for store in stores:
                 mark_static_buffers(store)
-        args, kwargs = self.fixed_shape_arguments(stores[0].seq_len, args, kwargs)
+        kwargs = self.fixed_shape_arguments(kwargs)
         self.run.in_compiled_forward = True
         for store in stores:  # stores_in_place read the step's mask
             store.unpadded_step = True
@@ -121,25 +121,27 @@ class CompiledDecodeForward:
             for store in stores:
                 store.unpadded_step = False
 
-    def fixed_shape_arguments(self, seen: int, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        """The forward's arguments with nothing in them that grows with the sequence where that is safe, so that
-        one graph (and on CUDA one captured graph) serves every step: the step's column of the padding mask is
-        read here, eagerly, and handed to the attention as ``run.step_real`` (the slot stores mask by
-        position), and where the call passes its positions (``generate()`` does) the mask itself is not passed:
-        nothing else of the model reads it then. A call without positions keeps its mask, from which some models
-        (OPT, BioGPT) count them; the graph then takes the mask's growing length as a value, which costs a
-        second compile and, on CUDA, a recording per step, never other logits."""
-        self.run.step_real = self.run.real_tokens(seen, 1)
+    @staticmethod
+    def fixed_shape_arguments(kwargs: dict) -> dict:
+        """The forward's keyword arguments with nothing in them that grows with the sequence where that is safe,
+        so that one graph (and on CUDA one captured graph) serves every step: the step's column of the padding
+        mask was read eagerly (``stores_in_place``) and is handed to the attention as ``run.step_real`` (the
+        slot stores mask by position), so where the call passes its positions (``generate()`` does) the mask
+        itself is not passed: nothing else of the model reads it then. A call without positions keeps its mask,
+        from which some models (OPT, BioGPT) count them; the graph then takes the mask's growing length as a
+        value, which costs a second compile and, on CUDA, a recording per step, never other logits."""
         if kwargs.get("position_ids") is not None and "attention_mask" in kwargs:
-            kwargs = {**kwargs, "attention_mask": None}
-        return args, kwargs
+            return {**kwargs, "attention_mask": None}
+        return kwargs
 
     def stores_in_place(self) -> list | None:
         """Every layer's slot store when this forward is a one-token step of a cache every layer of which is an
         evictlayers attention layer decoding in place, else ``None``. Grows first, eagerly, each full layer with
         no free slot left (as its own step would: ``SlotStore.make_room``), and reads whether the step's tokens
         are real where a full layer keeps its slots in position order (a padded token ends that order, which
-        the graph cannot branch on); a mask with fewer columns than the tokens so far raises ``ValueError``."""
+        the graph cannot branch on); a mask with fewer columns than the tokens so far raises ``ValueError``.
+        For the graph it sets ``run.step_real``, the step's column of the mask (``None`` on any other path)."""
+        self.run.step_real = None
         cache = self.run.cache
         if self.run.step_tokens != 1 or not isinstance(cache, EvictionCache):
             return None
@@ -158,6 +160,7 @@ class CompiledDecodeForward:
         in_order = any(store.filled is not None for store in stores)
         if in_order and real is not None and not bool(real.all()):
             return self.eager_because("a padded step ends the position order of a full cache")
+        self.run.step_real = real  # what the graph's attention reads instead of slicing the growing mask
         return stores
 
     def eager_because(self, reason: str) -> None:
