@@ -68,7 +68,23 @@ _FIELD_RULES = {
     "mamba_chunk_size": 16,
     "sliding_window": WINDOW,
     "attention_chunk_size": WINDOW,
+    # Inkling's relative position bias spans rel_extent tokens back; Inkling 2 scales its full layers' queries
+    # logarithmically from position log_scaling_n_floor on, and sums n_layers_per_attn_res_block layers into
+    # each block its attention residuals read
+    "rel_extent": WINDOW,
+    "log_scaling_n_floor": 16,
+    "n_layers_per_attn_res_block": LAYERS // 2,
+    # Inkling 2's LM head is narrower than its (padded) embedding table
+    "unpadded_vocab_size": VOCAB - 8,
+    # BLT's local encoder and decoder read the global transformer's width, which the shrink sets to hidden_size;
+    # its hash n-gram embedding table has this many rows per n-gram size (500002 by default: 768 MB at width 64)
+    "hidden_size_global": 64,
+    "encoder_hash_byte_group_vocab": 64,
+    "local_attention_window_len": WINDOW,
 }
+# sizes of the layers of one type where they differ from the global ones (Inkling's sliding-window layers'
+# swa_num_attention_heads, swa_head_dim, ...): scaled as the global size was (see _scaled)
+_VARIANT_PREFIXES = ("swa_",)
 
 
 def causal_lm_types() -> list[str]:
@@ -135,6 +151,18 @@ _TYPE_OVERRIDES: dict[str, dict] = {
     "gemma4_unified_assistant": {"text_config": {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}},
     # the language adapters need a default language to run
     "xmod": {"default_language": "en_XX"},
+    # the input, recurrent and output sections partition the layers (the default's 8 input and 8 output layers
+    # left a recurrent section of -12); one input, two looped and one output layer
+    "dory": {"n_input_layers": 1, "n_recurrent_layers": 2, "n_output_layers": 1},
+    # the looped section starts after the first block and ends on a block boundary (multiples of
+    # n_layers_per_attn_res_block, 2): layers 2 and 3, run twice
+    "inkling2_loop_text": {
+        "loop_layer_index_start": 2, "loop_layer_index_end": 4, "loop_num_passes": 2, "loop_gate_rank": 8,
+    },
+    # BltConfig has no num_hidden_layers of its own, and BltModel's cache (DynamicCache(config=BltConfig)) reads
+    # it: transformers' BLT tests set it (and the decoder's heads and width) on the config after building it
+    "blt": {"num_hidden_layers": LAYERS, "num_attention_heads": _SIZES["num_attention_heads"],
+            "hidden_size": _SIZES["hidden_size"]},
 }
 
 
@@ -177,11 +205,19 @@ def _shrunk_kwargs(config: PretrainedConfig) -> dict:
         kwargs["rotary_dim"] = 8  # partial rotary within the shrunk head
     for name, value in _FIELD_RULES.items():
         default = _read(config, name)
-        if name in fields and isinstance(default, int):
+        # a name the config keeps under another (Inkling's sliding_window is its sliding_window_size)
+        field = name if name in fields else cls.attribute_map.get(name, name)
+        if field in fields and isinstance(default, int):
             # never more experts per token than the architecture allows by default (ZAYA routes to one)
-            kwargs[name] = min(value, default) if name == "num_experts_per_tok" else value
-        elif name == "num_experts_per_tok" and name in fields:
-            kwargs[name] = value
+            kwargs[field] = min(value, default) if name == "num_experts_per_tok" else value
+        elif name == "num_experts_per_tok" and field in fields:
+            kwargs[field] = value
+    for name in sorted(fields):
+        prefix = next((prefix for prefix in _VARIANT_PREFIXES if name.startswith(prefix)), None)
+        size = name[len(prefix):] if prefix else None
+        default, value = _read(config, size) if size else None, _read(config, name)
+        if size in _SIZES and isinstance(value, int) and isinstance(default, int) and isinstance(kwargs.get(size), int):
+            kwargs[name] = _scaled(value, default, kwargs[size])
     # encoder-decoder configs size their two stacks apart
     for name in ("encoder_layers", "decoder_layers"):
         if name in fields and isinstance(_read(config, name), int):
@@ -280,10 +316,7 @@ def _shrunk_override(config: PretrainedConfig, override: dict, kwargs: dict) -> 
     for name, value in override.items():
         default, small = _read(config, name), kwargs.get(name)
         if isinstance(value, int) and isinstance(default, int) and isinstance(small, int) and default > 0:
-            scaled, remainder = divmod(small * value, default)
-            if remainder or scaled <= 0:  # not a whole multiple: still wider or narrower than the global value
-                scaled = 2 * small if value > default else max(1, small // 2)
-            shrunk[name] = scaled
+            shrunk[name] = _scaled(value, default, small)
         else:
             shrunk[name] = value
     # an MLA layer whose head dim is its no-rope and rope parts together keeps it so (Dots 3's sliding layers)
@@ -294,6 +327,17 @@ def _shrunk_override(config: PretrainedConfig, override: dict, kwargs: dict) -> 
         if all(isinstance(size, int) for size in (head, nope, rope)) and head == nope + rope:
             shrunk["head_dim"] = sum(shrunk.get(name, kwargs.get(name, layer[name])) for name in parts)
     return shrunk
+
+
+def _scaled(value: int, default: int, small: int) -> int:
+    """``value``, a size beside the global ``default`` that the shrink set to ``small``, scaled alike: by the same
+    factor where that gives a whole size, else still wider or narrower than ``small`` (or equal to it)."""
+    if value == default or default <= 0:
+        return small
+    scaled, remainder = divmod(small * value, default)
+    if remainder or scaled <= 0:  # not a whole multiple: still wider or narrower than the global value
+        scaled = 2 * small if value > default else max(1, small // 2)
+    return scaled
 
 
 def tiny_config(model_type: str, **changes) -> PretrainedConfig:
@@ -423,8 +467,11 @@ def conformance(model_type: str, evictlayers, **changes) -> Outcome:
     windows = {layer.index: layer.window for layer in run.support.attention}
     assert windows, f"{model_type}: no attention layer served"
     for index, layer in enumerate(stats["layers"]):
+        if index >= run.support.num_layers:  # a looped section's copy of one of its layers (Dory's later passes)
+            assert layer["retained_tokens"] <= BUDGET, (model_type, index, layer)
+            continue
         if index not in windows:
-            assert layer["kind"] == "carried" and layer["retained_tokens"] == 0, (model_type, index, layer)
+            assert layer["kind"] in ("carried", "shared") and layer["retained_tokens"] == 0, (model_type, index, layer)
             continue
         window = windows[index]
         limit = BUDGET if window is None else min(BUDGET, window - 1)
@@ -448,7 +495,7 @@ def conformance(model_type: str, evictlayers, **changes) -> Outcome:
 
 MODELS_DOC = Path(__file__).resolve().parent.parent / "docs" / "models.md"
 # architectures whose shrunk model takes tens of seconds to build or run on 2 cores: marked slow
-SLOW_TYPES = {"blt", "longcat_flash", "kimi_linear"}
+SLOW_TYPES = {"longcat_flash", "kimi_linear"}
 
 
 def render_models_doc(outcomes: list[Outcome], transformers_version: str) -> str:

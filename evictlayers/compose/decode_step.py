@@ -106,6 +106,8 @@ def decode_step(
         )
     else:
         attention = kv.attend(query[:, :, 0], pos, query_pos, **options)
+    if store.keeps_attended:  # before eviction frees slots (their keys and values stay where they are)
+        store.attended = (*((keys, values) if keys is not None else kv.dense()), pos.clone(), query_pos[:, None])
     out = attention.out[:, :, None]
     if store.sketch is not None:
         out = merge_sketch(
@@ -179,6 +181,8 @@ def decode_in_order(
         scaling=scaling, softcap=softcap, sliding_window=sliding_window, gqa_reduce=store.policy.gqa_reduce,
         need_mass=False, all_visible=True,
     )
+    if store.keeps_attended:
+        store.attended = (keys[:, :, held], values[:, :, held], store.pos[:, :, held].clone(), query_pos[:, None])
     out = attention.out[:, :, None]
     if sinks is not None:
         out = apply_attention_sinks(out, attention.lse[:, :, None], sinks)

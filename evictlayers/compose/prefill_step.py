@@ -79,6 +79,8 @@ def prefill_step(
         score_gain=policy.score_gain(query_pos, store.budget), keep_rows=policy.rows_needed,
         lse_out=lse, need_mass=policy.reads_mass,
     )
+    if store.keeps_attended:  # a KV-sharing layer attends over the same slots and tokens, before eviction
+        store.attended = (keys, values, pos.clone(), query_pos)
     out = attention.out
     if merge:
         out = merge_sketch(policy.sketch, store.sketch, query, out, lse, query_pos, scaling=scaling, softcap=softcap)

@@ -32,6 +32,8 @@ class DecodeStore(Protocol):
     sketch: SketchState | None  # the ClusterSketch's buffers of the evicted tokens
     most: int  # the largest drop amount of any row: the width of a decode step's victims
     filled: int | None  # slots [0, filled) hold every row's tokens in position order (an in-order full cache)
+    keeps_attended: bool  # a KV-sharing layer reads what this step attended over: keep it in ``attended``
+    attended: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None  # (keys, values, pos, query_pos)
 
 
 class PrefillStore(DecodeStore, Protocol):

@@ -149,6 +149,11 @@ class SlotStore:
         # set by the compiled decode forward around a step whose tokens it read as all real (a graph cannot
         # read the mask): such a step keeps the in-order path without the host read (``_decode``)
         self.unpadded_step = False
+        # KV sharing: whether a later layer attends over what this one attends over (``EvictionCache`` sets it),
+        # and then, from each step until that layer has read it, ``(keys [B, H_kv, N, D], values [B, H_kv, N, D_v],
+        # pos [B, H_kv, N], query_pos [B, Q])``: the slots and tokens this step attended over, before eviction
+        self.keeps_attended = False
+        self.attended: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     # ---- sizes ---------------------------------------------------------------------------------
 
@@ -241,10 +246,12 @@ class SlotStore:
 
     def reset(self) -> None:
         """Forget every token, the sketch included: the next step starts the layer afresh."""
+        keeps_attended = self.keeps_attended
         self.__init__(
             self.policy, self.layer_idx, self.num_layers, compile=self.compile, rotary=self.rotary, window=self.window,
             sliding_layers=self.sliding_layers, board=self.board, chunk=self.chunk,
         )
+        self.keeps_attended = keeps_attended
         if self.board is not None:
             self.board.reset()
 
@@ -437,7 +444,7 @@ class SlotStore:
         keeps its slots in position order (``decode_in_order``, on CPU). Not with a ClusterSketch: its coin
         table is remade every few steps (``_step_coins``), a branch that would compile the whole model twice
         more."""
-        if self.kv is None or self.sketch is not None:
+        if self.kv is None or self.sketch is not None or self.keeps_attended:
             return False
         if self.filled is not None:  # the in-order path runs on CPU only (``prefill_step``'s ``_in_order``)
             return self.filled < self.capacity
@@ -471,8 +478,10 @@ class SlotStore:
                 f"{self.policy.storage!r}: inductor's build of it gives other logits than the same step run "
                 "eagerly. Run it with compile=False (the Triton kernels still attend from the codes)"
             )
-        # inside a compiled whole forward the step is traced inline with the rest of the model
-        step = compiled_decode_step() if self.compile and not torch.compiler.is_compiling() else decode_step
+        # inside a compiled whole forward the step is traced inline with the rest of the model; a step that keeps
+        # what it attended over for a KV-sharing layer assigns it to the store, which runs eagerly
+        compiled = self.compile and not self.keeps_attended and not torch.compiler.is_compiling()
+        step = compiled_decode_step() if compiled else decode_step
         table = None
         if self.policy.positions == "rolling":  # ranks stay below the capacity
             table = self.rotary.rows(self.capacity, key.device, key.dtype)

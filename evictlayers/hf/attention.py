@@ -13,6 +13,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from evictlayers.compose import Policy, SlotStore
+from evictlayers.compose.shared_attention import attend_shared
 from evictlayers.hf.support import REFUSED_KEYWORDS, UnsupportedModelError, original_class
 
 ATTENTION_NAME = "evictlayers"
@@ -61,6 +62,10 @@ def evicting_attention(
         )
     sinks = kwargs.get("s_aux", kwargs.get("sinks"))  # learned sinks: GPT-OSS's s_aux, others' sinks
     options = {"scaling": scaling, "softcap": softcap, "sliding_window": sliding_window}
+    source = run.support.source_of(module.layer_idx)
+    if source is not None and run.cache is not None:
+        out = _attend_reused(run, module, source, query, key, value, options, sinks)
+        return out.transpose(1, 2).contiguous(), None
     layer = run.staged_layer(module.layer_idx)
     if layer is not None:
         staged_key, staged_value = layer.staged
@@ -108,6 +113,29 @@ def evicting_attention(
         store = SlotStore(ROLLING_FULL if table is not None else FULL, module.layer_idx, rotary=table)
         out = store.step(query, key, value, run.real_tokens(0, query.shape[2]), **options, sinks=sinks)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _attend_reused(run, module: torch.nn.Module, source: int, query: torch.Tensor, key: torch.Tensor,
+                   value: torch.Tensor, options: dict, sinks: torch.Tensor | None) -> torch.Tensor:
+    """A KV-sharing layer's attention (``compose/shared_attention.py``): over what its source layer attended
+    over in this forward, provided the keys it was handed are the ones the source's cache update returned."""
+    layer = run.cache.layers[source]
+    if layer.returned is None or key is not layer.returned[0] or value is not layer.returned[1]:
+        raise UnsupportedModelError(
+            f"{_where(run, module)} reuses layer {source}'s keys and values (KV sharing), but the keys it attends "
+            f"over are not the ones layer {source}'s cache update returned in this forward, so evictlayers cannot "
+            "tell which tokens they are"
+        )
+    if layer.store.attended is None:
+        raise RuntimeError(
+            f"evictlayers: layer {module.layer_idx} reuses layer {source}'s keys and values, but layer {source} "
+            "kept nothing of its step (did it attend through evictlayers in this forward?)"
+        )
+    out = attend_shared(layer.store.attended, query, **options, sinks=sinks)
+    if module.layer_idx == run.support.last_reader(source):  # no later layer reads it: let it go
+        layer.store.attended = None
+        layer.returned = None
+    return out
 
 
 def _tiles(staged_key: torch.Tensor, staged_value: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> int | None:

@@ -50,6 +50,9 @@ class EvictionLayer(CacheLayerMixin):
         # and values with the module's expand_kv (MLA); None until then
         self.head_tiles: int | None = None
         self.expands_latent: bool | None = None
+        # KV sharing: what this step's update returned, by which a reusing layer's attention call recognises the
+        # keys it was handed as this layer's (kept only where a layer reuses them)
+        self.returned: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
@@ -64,6 +67,7 @@ class EvictionLayer(CacheLayerMixin):
                 "attention did not run through evictlayers (was the model patched with evictlayers.apply?)"
             )
         self.staged = (key_states, value_states)
+        self.returned = self.staged if self.store.keeps_attended else None
         return key_states, value_states
 
     def attend(
@@ -120,7 +124,7 @@ class EvictionLayer(CacheLayerMixin):
     def reset(self) -> None:
         """Forget everything, the ClusterSketch included: the next step starts a new one."""
         self.store.reset()
-        self.staged = None
+        self.staged = self.returned = None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError(ROLLBACK_REFUSED)
@@ -209,6 +213,11 @@ class EvictionCache(Cache):
                         number_of_states=states, sliding_layers=sliding, board=board,
                     ))
         super().__init__(layers=layers)
+        # KV sharing: the layers whose steps a later layer attends over keep what they attended over, and the
+        # reusing layers (whose own cache layer holds nothing) are reported as such
+        self.reusing = {} if support is None else {layer.index: layer.source for layer in support.reusing}
+        for source in set(self.reusing.values()):
+            self.layers[source].store.keeps_attended = True
         self.policy = policy
         # whether a one-token forward has run on this cache after its prompt (set by evictlayers.apply's hook):
         # a multi-token forward after it continues the cache, one before it is a chunk of the prompt
@@ -293,7 +302,8 @@ class EvictionCache(Cache):
         'sketch_bytes'}, ...]}``.
 
         ``kind`` is ``"attention"``, ``"sliding"`` (a sliding-window attention layer), ``"chunked"`` (a
-        chunked-attention layer) or ``"carried"`` (a
+        chunked-attention layer), ``"shared"`` (a KV-sharing layer, which attends over another layer's tokens
+        and holds none: its counts are 0) or ``"carried"`` (a
         recurrent or attention-free layer of a hybrid model, whose own cache layer is kept untouched: its
         counts are 0). ``bound`` says which rule bounds the layer: ``"budget"`` (the policy's),
         ``"window"`` (its sliding window or attention chunk, where smaller than the budget) or ``None`` (neither: the cache
@@ -306,9 +316,10 @@ class EvictionCache(Cache):
         tokens absorbed (all 0 without a sketch). The totals are sums over layers.
         """
         layers = []
-        for layer in self.layers:
+        for index, layer in enumerate(self.layers):
             if not isinstance(layer, EvictionLayer):
-                layers.append({"kind": "carried", "bound": None, **dict.fromkeys(_COUNTS, 0)})
+                kind = "shared" if index in self.reusing else "carried"
+                layers.append({"kind": kind, "bound": None, **dict.fromkeys(_COUNTS, 0)})
                 continue
             layers.append(layer.store.stats())
         return {

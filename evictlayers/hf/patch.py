@@ -37,7 +37,7 @@ from evictlayers.hf.prompt import (
 from evictlayers.hf.induction import induction_scores
 from evictlayers.hf.rotary import model_rotary_tables
 from evictlayers.hf.sentences import sentence_end_table
-from evictlayers.hf.support import attention_implementation, model_support
+from evictlayers.hf.support import ModelSupport, UnsupportedModelError, attention_implementation, model_support
 from evictlayers.kernels import linear_cpu
 from evictlayers.kernels.decode import slots_cpu
 from evictlayers.kernels.prefill import mass_cpu
@@ -96,6 +96,12 @@ class EvictionRun:
             )
         self.support = model_support(model)
         if isinstance(policy.allocation, Induction) and policy.allocation.scores is None:
+            if self.support.shared_blocks:
+                raise ValueError(
+                    f"model_type={self.support.model_type!r}: Induction measures each layer's attention module, but "
+                    "one attention block serves several of this model's layers; give Induction(scores=...) measured "
+                    "another way, or another allocation"
+                )
             # measured on the unmodified model, before any module is swapped
             scores = induction_scores(model, self.support)
             measured = {"_component_": "Induction", "floor": policy.allocation.floor, "scores": scores}
@@ -123,7 +129,9 @@ class EvictionRun:
             self._sentence_table = sentence_end_table(tokenizer, vocab)
         # the attention implementation evictlayers stands in for (what the unmodified model runs)
         self.replaced_implementation = getattr(model.config, "_attn_implementation", None)
-        self._attention = [layer.module for layer in self.support.attention]
+        self._attention = self.support.modules
+        if self.support.reusing:
+            _check_kv_sharing(self.support, self.policy)
         self.num_layers = self.support.num_layers
         self.rotary: dict[int, RotaryTable] | None = None
         self.cache: EvictionCache | None = None
@@ -367,17 +375,42 @@ class EvictionRun:
             self._sentence_table = self._sentence_table.to(input_ids.device)
         self.sentence_ends = self._sentence_table[input_ids]
 
-    def staged_layer(self, layer_idx: int) -> EvictionLayer | None:
-        """The cache layer holding this step's staged keys, or ``None`` when running without a cache."""
+    def staged_layer(self, layer_idx: int | None) -> EvictionLayer | None:
+        """The cache layer holding this step's staged keys, or ``None`` when running without a cache.
+
+        A module's keys are staged in its own cache layer (``layer_idx``), or, where one module serves several
+        cache layers, in the one its call's ``cache.update`` named: Zamba's attention block, shared by several
+        layers and told its layer at each call, and Dory's looped section, whose every pass keeps copies of the
+        section's cache layers appended to the cache. The model updates the cache and attends right after, so
+        exactly one layer holds staged keys then; the attention function still checks that the keys it was
+        handed are that layer's."""
         if self.cache is None:
             return None
-        layer = self.cache.layers[layer_idx]
-        if layer.staged is None:
-            raise RuntimeError(
-                f"evictlayers: layer {layer_idx} attended without staging new keys in the cache first (the model "
-                "called the attention function without cache.update, or twice for one update)"
+        own = self.cache.layers[layer_idx] if isinstance(layer_idx, int) and 0 <= layer_idx < len(self.cache.layers) else None
+        if getattr(own, "staged", None) is not None:
+            return own
+        staged = [layer for layer in self.cache.layers if getattr(layer, "staged", None) is not None]
+        if len(staged) == 1:
+            return staged[0]
+        raise UnsupportedModelError(self._unstaged_reason(layer_idx, len(staged)))
+
+    def _unstaged_reason(self, layer_idx: int | None, staged: int) -> str:
+        """Why an attention call found no staged keys to attend over: the model attended over keys it did not
+        hand to the cache (a looped pass that reads the cache's keys without writing, two attention calls over
+        one update), or several layers hold staged keys at once."""
+        module = next((layer.module for layer in self.support.attention if layer.index == layer_idx), None)
+        name = getattr(module, "_evictlayers_original_class", type(module)).__name__
+        where = f"model_type={self.support.model_type!r}, {name} (layer {layer_idx})"
+        if staged:
+            return (
+                f"{where}: {staged} cache layers hold new keys that no attention call has read yet, so evictlayers "
+                "cannot tell which of them this call attends over"
             )
-        return layer
+        return (
+            f"{where} attended without handing its new keys to the cache first (no cache.update before the attention "
+            "call, or two attention calls over one update): the keys it attends over are not the ones evictlayers "
+            "holds (a looped pass that reads the cache's keys without writing them, say), so it cannot serve it"
+        )
 
     def real_tokens(self, start: int, count: int) -> torch.Tensor | None:
         """``[B, count]`` bool: which of the step's tokens are real (not padding), from the 2-D mask."""
@@ -406,6 +439,24 @@ class EvictionRun:
         if isinstance(forward, CompiledDecodeForward):
             stats["compiled_decode"] = forward.path_counts()
         return stats
+
+
+def _check_kv_sharing(support: ModelSupport, policy: Policy) -> None:
+    """Refuse what a KV-sharing layer could not follow: it attends over its source layer's slots as they are,
+    so neither keys rotated to their ranks at each step nor a sketch merged into the source's output."""
+    reusing = ", ".join(f"{layer.index} <- {layer.source}" for layer in support.reusing)
+    if policy.positions == "rolling":
+        raise UnsupportedModelError(
+            f"model_type={support.model_type!r} shares keys and values between layers (layers {reusing}); "
+            "Policy(positions='rolling') rotates each layer's keys at its own step, which a reusing layer does not "
+            "see: use positions='original' (the default) for this model"
+        )
+    if any(p.sketch is not None for p in policy.layer_policies):
+        raise ValueError(
+            f"model_type={support.model_type!r} shares keys and values between layers (layers {reusing}); a "
+            "ClusterSketch merges its evicted tokens into its own layer's output only, so a reusing layer would "
+            "attend without them: use a policy without the sketch for this model"
+        )
 
 
 def apply(model: nn.Module, policy: Policy, compile: bool | str = False, tokenizer=None,

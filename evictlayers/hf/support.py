@@ -15,6 +15,15 @@ the attention function can tell, per call, that they are the cached heads repeat
 once per expert) or the module's own per-token ``expand_kv`` of a cached latent (MLA: DeepSeek V2/V3,
 MiniCPM3, GLM-4-MoE-Lite, Kimi; the slot store then keeps the expanded per-head keys and values, larger per
 token than the latent); anything else is refused at that call (``hf/attention.py``).
+
+KV sharing (Gemma 3n, Gemma 4's small models): a layer that reuses an earlier layer's keys and values
+(``kv_sharing_modes`` "reuse") holds no cache of its own; it attends over exactly the tokens its source
+layer attended over in the same forward (before the source evicts), as transformers hands it the keys
+its source's cache update returned. The source's policy alone decides what is kept.
+
+One attention module serving several cache layers (Zamba's shared block, with no ``layer_idx`` of its own;
+Dory's looped section, whose later passes write to appended copies of its cache layers) attends over the
+cache layer its call's update staged (``EvictionRun.staged_layer``).
 """
 
 from __future__ import annotations
@@ -84,6 +93,22 @@ class AttentionLayer:
 
 
 @dataclass(frozen=True)
+class ReusingLayer:
+    """A layer that attends with its own queries over another layer's keys and values (KV sharing).
+
+    Attributes:
+        index: the layer's index (``module.layer_idx``); its cache layer holds nothing.
+        module: the attention module whose attention call evictlayers receives.
+        source: the index of the layer whose cache update it reuses (the last layer of the same type before
+            it that keeps its keys and values for sharing).
+    """
+
+    index: int
+    module: nn.Module
+    source: int
+
+
+@dataclass(frozen=True)
 class ModelSupport:
     """How evictlayers serves one model.
 
@@ -92,13 +117,37 @@ class ModelSupport:
             ``linear_attention``, ``conv``, ``dummy``).
         attention: the attention layers, ordered by index.
         carried: ``{index: (layer_type, kwargs)}`` for the layers whose cache is the model's own
-            (recurrent state carried untouched, or no state at all).
+            (recurrent state carried untouched, or no state at all: a reusing layer's included).
+        reusing: the layers that attend over another layer's keys and values (KV sharing), ordered by index.
+        shared_blocks: attention modules with no layer of their own (``layer_idx`` ``None`` or ``-1``) that several
+            layers call, each call naming its cache layer (Zamba's); the layers they serve name one of them.
     """
 
     model_type: str
     layer_types: tuple[str, ...]
     attention: tuple[AttentionLayer, ...]
     carried: dict[int, tuple[str, dict]]
+    reusing: tuple[ReusingLayer, ...] = ()
+    shared_blocks: tuple[nn.Module, ...] = ()
+
+    @property
+    def modules(self) -> list[nn.Module]:
+        """Every attention module evictlayers patches, each once (a shared block serves several layers)."""
+        found = {id(m): m for m in (*(layer.module for layer in (*self.attention, *self.reusing)), *self.shared_blocks)}
+        return list(found.values())
+
+    @property
+    def sources(self) -> frozenset[int]:
+        """The layers whose attended keys and values a reusing layer reads."""
+        return frozenset(layer.source for layer in self.reusing)
+
+    def source_of(self, layer_idx: int) -> int | None:
+        """The layer whose keys and values ``layer_idx`` reuses, ``None`` for a layer with a cache of its own."""
+        return next((layer.source for layer in self.reusing if layer.index == layer_idx), None)
+
+    def last_reader(self, source: int) -> int:
+        """The last reusing layer that reads ``source`` (after it, the source's attended tokens can go)."""
+        return max(layer.index for layer in self.reusing if layer.source == source)
 
     @property
     def num_layers(self) -> int:
@@ -181,35 +230,39 @@ def model_support(model: nn.Module) -> ModelSupport:
             "evictlayers replaces the cache and would skip that set-up"
         )
     text_config = config.get_text_config(decoder=True)
-    shared = _kv_sharing_layers(text_config)
-    if shared:
-        raise UnsupportedModelError(
-            f"{where}: layers {shared} reuse another layer's key/value cache or keep theirs for such layers (KV "
-            "sharing); evicting one layer's tokens would change what the sharing layers see, which evictlayers does "
-            "not model"
-        )
+    sources = _kv_sources(text_config, where)
     layer_types, layer_kwargs = _layer_types(text_config, where)
     indexed = _indexed_modules(model)
     candidates = {
         index: [m for m in modules if _calls_interface(original_class(m))]
         for index, modules in indexed.items()
     }
-    candidates = {index: modules for index, modules in candidates.items() if modules}
+    candidates = {index: modules for index, modules in candidates.items() if modules and index != -1}
     # attention blocks shared by several layers (Zamba's) carry layer_idx None or -1 and get the layer per call
-    unindexed = sorted({
-        type(m).__name__ for m in model.modules()
+    shared_blocks = [
+        m for m in model.modules()
         if hasattr(m, "layer_idx") and m.layer_idx in (None, -1) and _calls_interface(original_class(m))
-    })
-    attention, carried = [], {}
+    ]
+    attention, carried, reusing = [], {}, []
+    blocks_serve = False  # whether a layer's attention is a shared block (else such modules are not the decoder's)
     for index, (kind, kwargs) in enumerate(zip(layer_types, layer_kwargs, strict=True)):
         modules = candidates.get(index, [])
-        if kind in ATTENTION_LAYER_TYPES:
-            if not modules and unindexed:
+        if index in sources:
+            if len(modules) != 1 or kind not in EMPTY_LAYER_TYPES:
                 raise UnsupportedModelError(
-                    f"{where}, layer {index} ({kind}): its attention ({', '.join(unindexed)}) has no layer_idx of its "
-                    "own: one block, shared by several layers, is told its cache layer at each call; evictlayers "
-                    "finds a layer's attention by the module's layer_idx, so it cannot serve it"
+                    f"{where}, layer {index}: a KV-sharing layer should have an empty cache layer ('dummy') and one "
+                    f"attention module calling the attention interface; found cache layer type {kind!r} and "
+                    f"{len(modules)} such modules"
                 )
+            _check_call(modules[0], where, index)
+            reusing.append(ReusingLayer(index, modules[0], sources[index]))
+            carried[index] = (kind, kwargs)
+            continue
+        if kind in ATTENTION_LAYER_TYPES:
+            if not modules and shared_blocks:
+                # Zamba's attention block, shared by several layers and told its cache layer at each call: the
+                # attention function attends over the cache layer its call's update staged (EvictionRun.staged_layer)
+                modules, blocks_serve = shared_blocks[:1], True
             if len(modules) != 1:
                 named = sorted({type(m).__name__ for m in modules})
                 others = sorted({type(m).__name__ for m in indexed.get(index, []) if m not in modules})
@@ -234,9 +287,13 @@ def model_support(model: nn.Module) -> ModelSupport:
             carried[index] = (kind, kwargs)
         else:
             reason = {
-                "indexed_attention": "sparse attention (an indexer, with keys of its own in the cache, picks for each "
-                "query the tokens it attends to: DeepSeek's DSA, Qwen 4's QSA), which evictlayers does not implement; "
-                "its slot store would attend over every kept token",
+                "indexed_attention": "sparse attention (DeepSeek's DSA, Qwen 4's QSA): an indexer, with keys of its "
+                "own for every past token in the cache, picks for each query the tokens (Qwen 4: blocks of tokens) it "
+                "scores highest among all the query can see, and the query attends to those only. evictlayers' "
+                "kernels attend over every token a head holds and take no per-query selection, so it would compute "
+                "other logits even with nothing evicted; serving it needs the indexer's keys held for the tokens "
+                "each layer keeps and its selection applied inside every attention kernel, which evictlayers does "
+                "not implement",
             }.get(kind, "a cache layer type evictlayers cannot hold")
             raise UnsupportedModelError(f"{where}, layer {index}: cache layer type {kind!r}: {reason}")
     stray = sorted(set(candidates) - set(range(len(layer_types))))
@@ -247,7 +304,22 @@ def model_support(model: nn.Module) -> ModelSupport:
         )
     if not attention:
         raise UnsupportedModelError(f"{where} has no attention layer to evict from")
-    return ModelSupport(getattr(config, "model_type", "?"), tuple(layer_types), tuple(attention), carried)
+    if blocks_serve:
+        for block in shared_blocks:
+            _check_call(block, where, block.layer_idx)
+    else:
+        shared_blocks = []
+    served = {layer.index for layer in attention}
+    for layer in reusing:
+        if layer.source not in served:
+            raise UnsupportedModelError(
+                f"{where}, layer {layer.index}: it reuses the keys and values of layer {layer.source}, which is not "
+                "an attention layer evictlayers serves"
+            )
+    return ModelSupport(
+        getattr(config, "model_type", "?"), tuple(layer_types), tuple(attention), carried, tuple(reusing),
+        tuple(shared_blocks),
+    )
 
 
 def _attention_chunk(kwargs: dict, where: str, index: int) -> int:
@@ -262,23 +334,38 @@ def _attention_chunk(kwargs: dict, where: str, index: int) -> int:
     return chunk
 
 
-def _kv_sharing_layers(text_config) -> list[int]:
-    """The layers that take part in KV sharing: those that reuse an earlier layer's keys and values, and
-    those that keep theirs for them (``kv_sharing_modes`` other than ``None``; ``num_kv_shared_layers`` for
-    configs without modes). Layers that only keep theirs ("store") while no layer reuses them share
-    nothing within the model: Gemma 4 without sharing marks its last layer of each type so (from
-    transformers 5.24 on) for an assistant model to read."""
+def _kv_sources(text_config, where: str) -> dict[int, int]:
+    """``{reusing layer: source layer}`` of KV sharing (empty without it), from ``kv_sharing_modes``: a "reuse"
+    layer reads what the last "store" layer of its own ``layer_types`` entry before it keeps (transformers
+    hands it that layer's cache update through ``shared_kv_states``). Configs that share by
+    ``num_kv_shared_layers`` without modes, or whose every layer reuses (an assistant model, which reads
+    another model's keys), are refused."""
     try:
         modes = getattr(text_config, "kv_sharing_modes", None)
-    except ValueError:  # the config rejects its own sharing layout: it shares, but cannot say which layers
-        return list(range(getattr(text_config, "num_hidden_layers", 0) or 1))
-    if modes is not None:
-        if all(mode in (None, "store") for mode in modes):
-            return []
-        return [index for index, mode in enumerate(modes) if mode is not None]
-    shared = getattr(text_config, "num_kv_shared_layers", 0) or 0
-    count = getattr(text_config, "num_hidden_layers", 0)
-    return list(range(count - shared, count)) if shared else []
+    except ValueError as error:  # the config rejects its own sharing layout
+        raise UnsupportedModelError(f"{where}: its KV-sharing layout is invalid ({error})") from error
+    if modes is None:
+        if getattr(text_config, "num_kv_shared_layers", 0):
+            raise UnsupportedModelError(
+                f"{where}: its last {text_config.num_kv_shared_layers} layers reuse earlier layers' keys and values "
+                "(num_kv_shared_layers) without saying which (no kv_sharing_modes), so evictlayers cannot tell "
+                "which layer's tokens each one attends over"
+            )
+        return {}
+    kinds = list(getattr(text_config, "layer_types", None) or ["full_attention"] * len(modes))
+    sources, last_store = {}, {}
+    for index, (mode, kind) in enumerate(zip(modes, kinds, strict=True)):
+        if mode == "store":
+            last_store[kind] = index
+        elif mode == "reuse":
+            if kind not in last_store:
+                raise UnsupportedModelError(
+                    f"{where}, layer {index}: it reuses keys and values of a {kind!r} layer that no earlier layer of "
+                    "this model keeps (an assistant model reads another model's cache); evictlayers serves a model "
+                    "whose every layer's keys come from its own tokens"
+                )
+            sources[index] = last_store[kind]
+    return sources
 
 
 def _layer_types(text_config, where: str) -> tuple[list[str], list[dict]]:
