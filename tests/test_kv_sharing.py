@@ -133,3 +133,20 @@ def test_generate_with_a_budget_decodes_and_matches_a_second_run(shared_model):
         first = greedy(model, ids, mask, NEW_TOKENS)
         second = greedy(model, ids, mask, NEW_TOKENS)
     assert torch.equal(first.sequences, second.sequences)
+
+
+def test_compile_decodes_a_kv_sharing_model_layer_by_layer_and_says_why(shared_model):
+    _, model = shared_model
+    ids, mask = left_padded(LENGTHS)
+    policy = el.load_recipe("h2o").replace(budget=8)
+    with el.apply(model, policy):
+        eager = greedy(model, ids, mask, NEW_TOKENS)
+    with pytest.warns(UserWarning, match="KV sharing"):
+        with el.apply(model, policy, compile=True) as run:
+            compiled = greedy(model, ids, mask, NEW_TOKENS)
+            path = run.stats()["compiled_decode"]
+    assert path["graph_steps"] == 0 and path["eager_steps"] == NEW_TOKENS - 1
+    assert "KV sharing" in path["eager_reason"]
+    assert torch.equal(compiled.sequences, eager.sequences)
+    for got, want in zip(compiled.logits, eager.logits, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -146,6 +146,9 @@ class CompiledDecodeForward:
         if self.run.step_tokens != 1 or not isinstance(cache, EvictionCache):
             return None
         stores = [layer.store for layer in cache.layers if type(layer) is EvictionLayer]
+        if cache.reusing:
+            return self.eager_because("the model shares keys and values between layers (KV sharing): a source "
+                                      "layer's step keeps what it attended over for its reusing layers")
         if len(stores) != len(cache.layers):
             return self.eager_because("the model has layers whose cache is transformers' own (recurrent state, or "
                                       "no attention cache), which the compiled decode forward does not trace")

@@ -40,6 +40,16 @@ from torch import nn
 from transformers.cache_utils import get_layer_types_and_kwargs
 
 
+# DeepSeek V4's compressed attention layers, as transformers' DeepseekV4HCACache / DeepseekV4CSACache hold them
+COMPRESSED_ATTENTION = (
+    "compressed attention (DeepSeek V4's HCA and CSA): the layer attends over a sliding window of recent tokens "
+    "plus entries a learned compressor builds from every block of compress_rate consecutive tokens (CSA with an "
+    "indexer choosing among them); its cache holds those block entries and a buffer of the next block's tokens, "
+    "not a key per token, so there is no token for an eviction policy to keep or drop beyond the window: "
+    "evictlayers evicts per-token keys only"
+)
+
+
 class UnsupportedModelError(TypeError):
     """The model's attention cannot be served by evictlayers; the message names the model, layer and reason."""
 
@@ -294,6 +304,8 @@ def model_support(model: nn.Module) -> ModelSupport:
                 "other logits even with nothing evicted; serving it needs the indexer's keys held for the tokens "
                 "each layer keeps and its selection applied inside every attention kernel, which evictlayers does "
                 "not implement",
+                "heavily_compressed_attention": COMPRESSED_ATTENTION,
+                "compressed_sparse_attention": COMPRESSED_ATTENTION,
             }.get(kind, "a cache layer type evictlayers cannot hold")
             raise UnsupportedModelError(f"{where}, layer {index}: cache layer type {kind!r}: {reason}")
     stray = sorted(set(candidates) - set(range(len(layer_types))))
@@ -437,7 +449,10 @@ def _check_call(module: nn.Module, where: str, index: int) -> None:
     if len(calls) > 1:
         raise UnsupportedModelError(
             f"{where}, layer {index}: {cls.__name__} calls the attention function {len(calls)} times per forward "
-            "(e.g. differential attention), over one cache update; evictlayers serves one attention per layer"
+            "over one cache update (DiffLlama's differential attention: the same queries and keys, with each half "
+            "of the value heads repeated over all heads); a head's output then reads values of other key/value "
+            "heads, whose kept tokens differ under evictlayers' per-head eviction, and a step's slots are attended "
+            "and evicted once; evictlayers serves one attention per layer over each head's own keys and values"
         )
     for keywords in calls:
         for keyword in keywords:
