@@ -8,8 +8,8 @@ from evictlayers.modules import (
     ClusterSketch, DenseKV, HeavyHitterSelector, KCenterSelector, QuantizedKV, RecentWindow, SinkTokens,
 )
 from evictlayers.scoring import (
-    Averaged, ChunkScores, CrossLayer, Cumulative, KeyDiff, KeyNorm, LayerScope, LowScoreCounter, PooledScores,
-    RecentThenCumulative, SentenceScores, StepGainSoftmax, ValuePrior, Windowed,
+    Averaged, ChunkScores, CrossLayer, Cumulative, ExpectedAttention, KeyDiff, KeyNorm, LayerScope, LowScoreCounter,
+    PooledScores, RecentThenCumulative, SentenceScores, StepGainSoftmax, ValuePrior, Windowed,
 )
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "Cumulative",
     "DenseKV",
     "EvictionCache",
+    "ExpectedAttention",
     "HeavyHitterSelector",
     "KCenterSelector",
     "KeyDiff",

@@ -99,7 +99,7 @@ def test_one_graph_no_recompiles_same_logits_as_eager(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["scissorhands", "ahakv", "h2o_averaged", "streaming_llm", "full", "keydiff", "knorm",
-                                    "snapkv", "tova"])
+                                    "snapkv", "tova", "expected_attention"])
 def test_shipped_recipes_compile_without_recompiles(recipe):
     model = build("llama")
     policy = el.load_recipe(recipe)

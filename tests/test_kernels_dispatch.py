@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import evictlayers as el
+from evictlayers.compose.positions import RotaryTable
 from evictlayers.compose.recipes import shipped_recipes
 from evictlayers.kernels import dispatch
 from evictlayers.kernels.decode.naive import decode_attention_with_mass
@@ -149,6 +150,15 @@ def test_decode_dispatcher_traces_into_one_graph(kernels):
     assert_same(compiled(*args, **kwargs), decode_attention_with_mass(*args, **kwargs), atol=0.0)
 
 
+def _rope_table() -> RotaryTable:
+    def compute(rows, device, dtype):
+        angles = torch.arange(rows, dtype=torch.float64)[:, None] * 10000.0 ** (-torch.arange(0, 64, 2) / 64)
+        angles = torch.cat([angles, angles], dim=-1)
+        return angles.cos().to(device=device, dtype=dtype), angles.sin().to(device=device, dtype=dtype)
+
+    return RotaryTable(compute)
+
+
 def _prefill_and_decode(policy, monkeypatch, force_mass: bool):
     """Prefill 300 random tokens (head dim 64, as the int4 recipes' groups need) into a store under
     ``policy`` then decode 4; with ``force_mass`` every prefill computes the summed mass whatever the
@@ -160,7 +170,8 @@ def _prefill_and_decode(policy, monkeypatch, force_mass: bool):
         monkeypatch.setattr(prefill_module, "prefill_attention", lambda *a, **k: real(*a, **{**k, "need_mass": True}))
     g = torch.Generator().manual_seed(21)
     q, k, v = (torch.randn(2, h, 304, 64, generator=g) for h in (6, 2, 2))
-    store = el.SlotStore(policy)
+    # a scorer that reads the queries' positions (ExpectedAttention) needs a rotary table: RoPE's, head dim 64
+    store = el.SlotStore(policy, rotary=_rope_table() if policy.reads_queries else None)
     outs = [store.step(q[:, :, :300], k[:, :, :300], v[:, :, :300], scaling=0.125)]
     for i in range(300, 304):
         outs.append(store.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], scaling=0.125))
@@ -190,6 +201,7 @@ def test_which_policies_read_the_mass():
     row is the one-token step's only row (Algorithm 1 lines 8 and 27)."""
     assert el.load_recipe("h2o").reads_mass and el.load_recipe("h2o_averaged").reads_mass
     assert not any(el.load_recipe(r).reads_mass for r in ("streaming_llm", "local", "full", "keydiff", "knorm",
+                                                           "expected_attention",
                                                            "tova", "snapkv", "scissorhands", "tova_keydiff",
                                                            "tova_keydiff_chunked", "tova_keydiff_induction",
                                                            "ahakv", "ahakv_windowed"))
@@ -199,11 +211,13 @@ def test_what_a_decode_step_of_each_shipped_recipe_reads():
     """The mass (summed or as the step's row), the slots' keys, their values: a decode step computes the
     mass and dequantises a quantised cache only for recipes whose scorers read them (written out from the
     components: attention-fed scorers and windows of rows read the mass; KeyDiff, KeyNorm and k-center the
-    keys; ValuePrior as a selector's prior the values, as ``ahakv``'s prefill prior only at prefill)."""
+    keys; ValuePrior as a selector's prior the values, as ``ahakv``'s prefill prior only at prefill;
+    ExpectedAttention both, scoring the arriving key and weighing it by its value's norm)."""
     mass = {"ahakv", "ahakv_windowed", "h2o", "h2o_averaged", "h2o_int4", "h2o_windowed", "scissorhands",
             "scissorhands_int4", "snapkv", "tova", "tova_keydiff", "tova_keydiff_chunked", "tova_keydiff_induction"}
-    keys = {"clustergen_kcenter", "keydiff", "knorm", "tova_keydiff", "tova_keydiff_chunked", "tova_keydiff_induction"}
-    values = {"ahakv_windowed"}
+    keys = {"clustergen_kcenter", "expected_attention", "keydiff", "knorm", "tova_keydiff", "tova_keydiff_chunked",
+            "tova_keydiff_induction"}
+    values = {"ahakv_windowed", "expected_attention"}
     for recipe in shipped_recipes():
         policy = el.load_recipe(recipe)
         assert (policy.decode_needs_mass, policy.reads_keys, policy.reads_values) == (

@@ -45,6 +45,7 @@ def decode_step(
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
     coins: CoinTable | None = None,
     sentence_start: torch.Tensor | None = None,
+    query_rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Insert one token per row, attend, score and evict, writing the store's tensors in place.
 
@@ -68,6 +69,9 @@ def decode_step(
             slots' mass only: evicted tokens have no slot to credit it to.
         sentence_start: ``[B, 1]`` int64 where the new token's sentence starts, for a policy that ranks
             sentences (``None`` otherwise).
+        query_rotary: ``(cos, sin)`` ``[N, R]`` float32, the layer's rotary table (``N >= 2`` and the policy's
+            ``rotary_rows``), for a policy whose scorers read the query (``Policy.reads_queries``); they then get
+            the query, its position, the table and ``scaling`` in their ``Observation``.
 
     Returns:
         ``[B, H_q, 1, D_v]`` attention output.
@@ -125,6 +129,9 @@ def decode_step(
         mass=attention.mass, rows=mass_rows, row_pos=query_pos[:, None], values=values,
         group_size=query.shape[1] // heads, gqa_reduce=policy.gqa_reduce, keys=keys, inserted=slot[:, :, None],
         sentence_start=sentence_start,
+        **({} if query_rotary is None else {
+            "queries": query, "query_pos": query_pos[:, None], "rotary": query_rotary, "scaling": scaling,
+        }),
     )
     ranking.observe(policy, state, observation, view)
     if budget is None:

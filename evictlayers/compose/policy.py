@@ -142,6 +142,13 @@ class Policy(nn.Module):
                 "keys into position-less clusters, so there is no rank to re-rotate them to; use "
                 "positions='absolute' with the sketch"
             )
+        if positions == "rolling" and selector_set is not None and selector_set.reads_queries:
+            readers = sorted({type(getattr(m, "accumulator", m)).__name__ for m in selectors if m.reads_queries})
+            raise ValueError(
+                f"Policy(positions='rolling') cannot hold {', '.join(readers)}: it predicts future queries by "
+                "rotating the step's queries to the positions they will have, and under rolling positions no query "
+                "or key sits at its own position; use positions='absolute' with it"
+            )
         # the open-ended RecentWindow reserves last: it takes what the others leave
         self.protections = nn.ModuleList(sorted(protections, key=lambda m: m in open_ended))
         self.selectors = selector_set
@@ -441,6 +448,17 @@ class Policy(nn.Module):
     def reads_values(self) -> bool:
         """Whether a one-token step's scorers read the slots' values (a quantised cache dequantises them only then)."""
         return self.selectors.reads_values if self.selectors is not None else False
+
+    @property
+    def reads_queries(self) -> bool:
+        """Whether a scorer reads the step's queries and the layer's rotary table (``ExpectedAttention``): the
+        slot store then needs the model's rotary table (``evictlayers.apply`` measures it at apply time)."""
+        return self.selectors.reads_queries if self.selectors is not None else False
+
+    @property
+    def rotary_rows(self) -> int:
+        """Rows of the layer's rotary table (positions ``0..n-1``) the scorers read at least, every step."""
+        return self.selectors.rotary_rows if self.selectors is not None else 0
 
     @property
     def reads_sentences(self) -> bool:

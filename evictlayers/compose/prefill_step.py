@@ -60,7 +60,8 @@ def prefill_step(
     new_pos = query_pos[:, None, :].expand(batch, kv_heads, q_len)
     first_new = store.capacity  # the step's tokens follow the held slots in the concatenation
     gapless = store.kv is None or store.filled == first_new  # no empty slot before the step's tokens
-    keys, values, pos, state = _concatenated(store, key, value, new_pos)
+    group = query.shape[1] // kv_heads
+    keys, values, pos, state = _concatenated(store, key, value, new_pos, group)
 
     # a later multi-token step (chunked prefill) after tokens were absorbed merges the sketch as a
     # decode step does, with each query's log-sum-exp over the slots it sees
@@ -92,11 +93,12 @@ def prefill_step(
         rows=attention.rows,
         row_pos=query_pos[:, q_len - n_rows :],
         values=values,
-        group_size=query.shape[1] // kv_heads,
+        group_size=group,
         gqa_reduce=policy.gqa_reduce,
         keys=keys,
         inserted=torch.arange(first_new, first_new + q_len, device=key.device).expand(batch, kv_heads, q_len),
         sentence_start=sentence_start,
+        **(_query_fields(store, query, query_pos, scaling) if policy.reads_queries else {}),
     )
     store.seen = store.seen + real.sum(1)
     store.seq_len += q_len
@@ -132,12 +134,22 @@ def prefill_step(
     return out
 
 
-def _concatenated(store: PrefillStore, key: torch.Tensor, value: torch.Tensor, new_pos: torch.Tensor):
+def _query_fields(store: PrefillStore, query: torch.Tensor, query_pos: torch.Tensor, scaling: float) -> dict:
+    """The ``Observation`` fields a scorer that reads queries gets (``Policy.reads_queries``): the step's queries
+    and their positions, the model's scaling, and the layer's rotary table as float32 rotations with a row for
+    every offset within the step and at least the policy's ``rotary_rows``."""
+    rows = max(store.policy.rotary_rows, query.shape[2] + 1)
+    table = store.rotary.rows(rows, query.device, torch.float32)
+    return {"queries": query, "query_pos": query_pos, "rotary": table, "scaling": scaling}
+
+
+def _concatenated(store: PrefillStore, key: torch.Tensor, value: torch.Tensor, new_pos: torch.Tensor, group: int):
     """``(keys, values, pos, state)``: the held slots followed by the step's ``Q`` tokens (``key``/``value``
-    ``[B, H_kv, Q, D]`` at ``new_pos`` ``[B, H_kv, Q]``), their per-slot state zero; per-head state as held."""
+    ``[B, H_kv, Q, D]`` at ``new_pos`` ``[B, H_kv, Q]``), their per-slot state zero; per-head state as held.
+    ``group``: query heads per KV head (a state size written ``"group"``)."""
     batch, heads, q_len, _ = key.shape
-    fresh = _new_state(store, batch, heads, q_len, key.device)
-    head_state = _head_state(store, key)
+    fresh = _new_state(store, batch, heads, q_len, key.device, group, key.shape[-1])
+    head_state = _head_state(store, key, group)
     if store.kv is None:
         return key, value, new_pos.clone(), {**fresh, **head_state}
     keys, values = store.kv.dense()
@@ -149,23 +161,27 @@ def _concatenated(store: PrefillStore, key: torch.Tensor, value: torch.Tensor, n
     )
 
 
+def _sizes(shape: tuple, head_dim: int, group: int) -> tuple[int, ...]:
+    """A state shape with its named sizes filled: ``"head_dim"`` the key width, ``"group"`` the GQA group."""
+    return tuple(head_dim if size == "head_dim" else group if size == "group" else size for size in shape)
+
+
 def _new_state(
-    store: PrefillStore, batch: int, heads: int, slots: int, device: torch.device
+    store: PrefillStore, batch: int, heads: int, slots: int, device: torch.device, group: int = 1, head_dim: int = 0
 ) -> dict[str, torch.Tensor]:
     """The policy's per-slot state for ``slots`` new slots: ``[B, H_kv, slots, *shape]`` zeros."""
     return {
-        name: torch.zeros(batch, heads, slots, *shape, dtype=torch.float32, device=device)
+        name: torch.zeros(batch, heads, slots, *_sizes(shape, head_dim, group), dtype=torch.float32, device=device)
         for name, shape in store.policy.state_specs.items()
     }
 
 
-def _head_state(store: PrefillStore, key: torch.Tensor) -> dict[str, torch.Tensor]:
+def _head_state(store: PrefillStore, key: torch.Tensor, group: int = 1) -> dict[str, torch.Tensor]:
     """The per-head state: held over from earlier steps, or zeros at the first."""
     batch, heads, _, head_dim = key.shape
     return {
         name: store.state[name] if name in store.state else torch.zeros(
-            batch, heads, *(head_dim if size == "head_dim" else size for size in shape),
-            dtype=torch.float32, device=key.device,
+            batch, heads, *_sizes(shape, head_dim, group), dtype=torch.float32, device=key.device,
         )
         for name, shape in store.policy.head_state_specs.items()
     }

@@ -29,6 +29,7 @@ from evictlayers.scoring import (
     ChunkScores,
     CrossLayer,
     Cumulative,
+    ExpectedAttention,
     KeyDiff,
     KeyNorm,
     LayerScope,
@@ -47,7 +48,7 @@ COMPONENTS: dict[str, type[Component]] = {
         RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged, Uniform, Ramp, Pyramid, ByLayerKind,
         Induction, Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV, QuantizedKV, ClusterSketch,
         RecentThenCumulative, KeyDiff, KeyNorm, KCenterSelector, CrossLayer, PooledScores, ChunkScores,
-        SentenceScores, LayerScope,
+        SentenceScores, LayerScope, ExpectedAttention,
     )
 }
 # arguments a component no longer takes, with what replaced them (recipes written before keep failing clearly)

@@ -140,6 +140,14 @@ class SelectorSet(nn.Module):
     def reads_values(self) -> bool:
         return any(member.reads_values for member in self.members)
 
+    @property
+    def reads_queries(self) -> bool:
+        return any(member.reads_queries for member in self.members)
+
+    @property
+    def rotary_rows(self) -> int:
+        return max(member.rotary_rows for member in self.members)
+
     def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
         for member in self.members:  # at most one member changes the softmax (checked at construction)
             gain = member.score_gain(query_pos, budget)

@@ -71,7 +71,9 @@ class SlotStore:
         board: CrossLayerBoard | None = None, chunk: int | None = None,
     ):
         """``rotary``: the model's rotary table, which ``Policy(positions="rolling")`` needs (its keys are
-        held un-rotated and rotated to their rank at every step; ``compose/positions.py``).
+        held un-rotated and rotated to their rank at every step; ``compose/positions.py``), and so does a policy
+        whose scorer reads the queries' positions (``Policy.reads_queries``: ``ExpectedAttention``), whose
+        queries and keys stay at their own positions.
 
         ``window``: the layer's sliding window, ``None`` for full attention. A query sees itself and the
         ``window - 1`` tokens before it, so a sliding layer never needs more than ``window - 1`` held tokens:
@@ -319,6 +321,12 @@ class SlotStore:
                 "the model's rotary table: create the cache with run.new_cache() under evictlayers.apply "
                 "(or pass SlotStore(rotary=RotaryTable(...)))"
             )
+        if self.policy.reads_queries and self.rotary is None:
+            raise ValueError(
+                "the policy's scorer reads the queries' rotary positions (ExpectedAttention), so the slot store "
+                "needs the model's rotary table: create the cache with run.new_cache() under evictlayers.apply (or "
+                "pass SlotStore(rotary=RotaryTable(...)))"
+            )
         if real is None:
             real = torch.ones(batch, q_len, dtype=torch.bool, device=key.device)
         if sliding_window is not None and self.window is not None and sliding_window != self.window:
@@ -482,11 +490,16 @@ class SlotStore:
         # what it attended over for a KV-sharing layer assigns it to the store, which runs eagerly
         compiled = self.compile and not self.keeps_attended and not torch.compiler.is_compiling()
         step = compiled_decode_step() if compiled else decode_step
-        table = None
+        table = query_table = None
         if self.policy.positions == "rolling":  # ranks stay below the capacity
             table = self.rotary.rows(self.capacity, key.device, key.dtype)
+        if self.policy.reads_queries:  # one cached table: every step hands the graph the same tensors
+            query_table = self.rotary.rows(max(self.policy.rotary_rows, 2), key.device, torch.float32)
         try:
-            out = step(self, query, key, value, real, **attention_kwargs, rotary=table, coins=self._step_coins())
+            out = step(
+                self, query, key, value, real, **attention_kwargs, rotary=table, coins=self._step_coins(),
+                query_rotary=query_table,
+            )
         except torch._dynamo.exc.TorchDynamoException as error:
             raise CompileError(
                 f"evictlayers could not compile the decode step of layer {self.layer_idx} under {self.policy!r}: "

@@ -133,7 +133,9 @@ class EvictionRun:
         if self.support.reusing:
             _check_kv_sharing(self.support, self.policy)
         self.num_layers = self.support.num_layers
-        self.rotary: dict[int, RotaryTable] | None = None
+        self.rotary: dict[int, RotaryTable] | None = None  # rolling positions: the hook then zeroes position_ids
+        # a scorer that rotates queries to future positions (ExpectedAttention): the same tables, positions untouched
+        self.query_rotary: dict[int, RotaryTable] | None = None
         self.cache: EvictionCache | None = None
         self._padding: torch.Tensor | None = None
         # tokens per row of the current forward (its input's second dim); None for a chunk of a declared prompt,
@@ -153,6 +155,17 @@ class EvictionRun:
             # keys arrive un-rotated (every token at position 0) and the stores rotate them by these tables
             try:
                 self.rotary = model_rotary_tables(model, self.support, self._capture)
+            except BaseException:
+                self.remove()
+                raise
+        elif any(p.reads_queries for p in layer_policies):
+            readers = sorted({
+                type(getattr(member, "accumulator", member)).__name__
+                for p in layer_policies if p.selectors is not None for member in p.selectors.members
+                if member.reads_queries
+            })
+            try:
+                self.query_rotary = model_rotary_tables(model, self.support, self._capture, user=", ".join(readers))
             except BaseException:
                 self.remove()
                 raise
@@ -267,7 +280,8 @@ class EvictionRun:
         tokens of each row's whole prompt (an ``int``, or ``attention_mask.sum(1)``), for a prompt you feed in
         chunks yourself: a float budget is then a fraction of all of it (``EvictionCache.declare_prompt``)."""
         return EvictionCache(
-            self.policy, self.num_layers, compile=bool(self.compile), rotary=self.rotary, support=self.support,
+            self.policy, self.num_layers, compile=bool(self.compile),
+            rotary=self.rotary if self.rotary is not None else self.query_rotary, support=self.support,
             prompt_len=prompt_len,
         )
 

@@ -1,4 +1,5 @@
-"""The model's own rotary embedding as one ``RotaryTable`` per layer, for ``Policy(positions="rolling")``.
+"""The model's own rotary embedding as one ``RotaryTable`` per layer, for ``Policy(positions="rolling")`` and
+for scorers that rotate queries to other positions (``ExpectedAttention``: ``Policy.reads_queries``).
 
 Rolling positions need keys un-rotated in the cache and a way to rotate them to any position. Both come
 from the model itself: while a rolling policy is applied, ``evictlayers.apply`` gives the model position
@@ -73,13 +74,17 @@ def _halves_table(table: RotaryTable) -> RotaryTable:
     return RotaryTable(compute)
 
 
+ROLLING = "Policy(positions='rolling')"
+
+
 def model_rotary_tables(
-    model: nn.Module, support: ModelSupport, capture: Callable[[torch.Tensor], Capture]
+    model: nn.Module, support: ModelSupport, capture: Callable[[torch.Tensor], Capture], user: str = ROLLING
 ) -> dict[int, RotaryTable]:
-    """``{layer_idx: RotaryTable}`` for every attention layer; refuses models rolling cannot serve.
+    """``{layer_idx: RotaryTable}`` for every attention layer; refuses the models whose rotation no table reproduces.
 
     ``capture(position_ids)`` runs the patched model on the probe tokens at ``position_ids`` ``[1, T]``
-    without a cache and returns what each attention layer received.
+    without a cache and returns what each attention layer received. ``user``: what needs the tables (rolling
+    positions, or a scorer such as ``ExpectedAttention``), named in every refusal.
 
     Raises:
         UnsupportedModelError: no rotary embedding (learned absolute positions: GPT-2, OPT), several
@@ -87,6 +92,12 @@ def model_rotary_tables(
     """
     where = f"{type(model).__name__} (model_type={model.config.model_type!r})"
     rotaries = _rotary_modules(model)
+    if not rotaries and user != ROLLING:
+        raise UnsupportedModelError(
+            f"{user} rotates the model's queries to the positions of future tokens, which needs rotary position "
+            f"embeddings (RoPE); {where} has no rotary embedding (learned absolute position embeddings, or none), "
+            "so evictlayers cannot serve it with this scorer: use another scorer with this model"
+        )
     if not rotaries:
         raise UnsupportedModelError(
             f"Policy(positions='rolling') re-assigns positions by rotating keys to their rank in the cache, which "
@@ -97,8 +108,8 @@ def model_rotary_tables(
     if len(rotaries) > 1:
         names = ", ".join(sorted({type(m).__name__ for m in rotaries}))
         raise UnsupportedModelError(
-            f"Policy(positions='rolling'): {where} has {len(rotaries)} rotary embeddings ({names}); evictlayers "
-            "cannot tell which layer uses which, so it supports rolling with one rotary module"
+            f"{user}: {where} has {len(rotaries)} rotary embeddings ({names}); evictlayers "
+            "cannot tell which layer uses which, so it supports one rotary module"
         )
     rotary = rotaries[0]
     device = next(model.parameters()).device
@@ -112,7 +123,7 @@ def model_rotary_tables(
     for layer in support.attention:
         if layer.index not in rotated or layer.index not in unrotated:
             raise UnsupportedModelError(
-                f"Policy(positions='rolling'): {where}, layer {layer.index} did not attend during the probe"
+                f"{user}: {where}, layer {layer.index} did not attend during the probe"
             )
         layer_type = layer_types[layer.index] if typed and layer_types is not None else None
         if layer_type not in module_tables:
@@ -124,15 +135,15 @@ def model_rotary_tables(
                 break
         else:
             raise UnsupportedModelError(
-                f"Policy(positions='rolling'): {where}, layer {layer.index} rotates queries and keys in a way "
+                f"{user}: {where}, layer {layer.index} rotates queries and keys in a way "
                 "neither the model's rotary table in rotate-half form (x * cos + rotate_half(x) * sin on the first "
                 "rotary dims) nor the identity reproduces (interleaved rotary, or positions the model does not take "
-                "from position_ids), so evictlayers cannot re-rotate its keys"
+                "from position_ids), so evictlayers cannot rotate its queries and keys to other positions"
             )
     if all(table is IDENTITY for table in tables.values()):
         raise UnsupportedModelError(
-            f"Policy(positions='rolling'): {where} gives the same queries and keys at every position_ids, so its "
-            "positions cannot be re-assigned through them"
+            f"{user}: {where} gives the same queries and keys at every position_ids, so its positions cannot be "
+            "re-assigned through them"
         )
     return tables
 

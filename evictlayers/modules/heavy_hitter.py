@@ -187,6 +187,14 @@ class HeavyHitterSelector(Selector):
     def reads_values(self) -> bool:
         return self.accumulator.reads_values or (self.prior is not None and self.prior.reads_values)
 
+    @property
+    def reads_queries(self) -> bool:
+        return self.accumulator.reads_queries
+
+    @property
+    def rotary_rows(self) -> int:
+        return self.accumulator.rotary_rows
+
     def score_gain(self, query_pos: torch.Tensor, budget: torch.Tensor | None) -> torch.Tensor | None:
         """``[B, Q]`` factor on the logits of the scoring softmax, or ``None`` for the model's own."""
         return None if self.transform is None else self.transform.score_gain(query_pos, budget)

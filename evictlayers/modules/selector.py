@@ -52,6 +52,17 @@ class Selector(Component):
         return False
 
     @property
+    def reads_queries(self) -> bool:
+        """Whether ``update`` reads the step's queries and the layer's rotary table (``Observation.queries``,
+        ``Observation.rotary``): the slot store then needs the model's rotary table."""
+        return False
+
+    @property
+    def rotary_rows(self) -> int:
+        """How many rows (positions ``0..n-1``) of the layer's rotary table ``update`` reads at least."""
+        return 0
+
+    @property
     def reads_sentences(self) -> bool:
         """Whether ``update`` reads ``Observation.sentence_start`` (the store then tracks where sentences start)."""
         return False

@@ -1,12 +1,14 @@
-"""How important a token is: accumulators over the attention mass each slot receives or over the
-slots' keys, the softmax transform they score with, per-slot priors, and the refinements a score goes
-through before ranking (pooling, chunks, the layer's heads)."""
+"""How important a token is: accumulators over the attention mass each slot receives, over the
+slots' keys or over the attention future queries are expected to pay, the softmax transform they score
+with, per-slot priors, and the refinements a score goes through before ranking (pooling, chunks, the
+layer's heads)."""
 
 from evictlayers.scoring.accumulator import ScoreAccumulator
 from evictlayers.scoring.averaged import Averaged
 from evictlayers.scoring.chunk_scores import ChunkScores
 from evictlayers.scoring.cross_layer import CrossLayer
 from evictlayers.scoring.cumulative import Cumulative
+from evictlayers.scoring.expected_attention import ExpectedAttention
 from evictlayers.scoring.key_diff import KeyDiff
 from evictlayers.scoring.key_norm import KeyNorm
 from evictlayers.scoring.layer_scope import LayerScope
@@ -25,6 +27,7 @@ __all__ = [
     "ChunkScores",
     "CrossLayer",
     "Cumulative",
+    "ExpectedAttention",
     "KeyDiff",
     "KeyNorm",
     "LayerScope",

@@ -30,6 +30,12 @@ class ScoreAccumulator(Component):
     # then (a dense cache always hands them over; a multi-token step always does)
     reads_keys: bool = False
     reads_values: bool = False
+    # whether ``update`` reads the step's queries (``Observation.queries``, ``query_pos``, ``scaling``) and the
+    # layer's rotary table (``Observation.rotary``, at least ``rotary_rows`` rows): the slot store then needs
+    # the model's rotary table (``evictlayers.apply`` measures it) and hands them over; nothing is built for
+    # other policies
+    reads_queries: bool = False
+    rotary_rows: int = 0
     nonnegative: bool = True  # scores are attention mass (>= 0), so a multiplicative prior may weight them
     # relative gap under which two scores count as tied (the oldest slot goes first): 0 = exact; a score
     # that ties exactly in real arithmetic (a rotation-invariant one) sets it so float noise cannot decide

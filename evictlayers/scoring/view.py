@@ -83,6 +83,14 @@ class Observation:
         sentence_start: ``[B, n]`` int64 the position where each of those tokens' sentence starts (the
             text's sentences and lines, ``evictlayers.apply(..., tokenizer=)``), for selectors that rank
             sentences (``reads_sentences``); ``None`` for other policies.
+        queries: ``[B, H_q, Q, D]`` the step's queries as the attention function received them (post-RoPE, at
+            their original positions; a decode step's one query), for scorers that declare ``reads_queries``
+            (``ExpectedAttention``); ``None`` for other policies (nothing is copied either way).
+        query_pos: ``[B, Q]`` int64 original position of each of those queries, ``-1`` for padding.
+        rotary: ``(cos, sin)`` ``[N, R]`` float32 the layer's rotary table as pure rotations (row ``p`` rotates
+            by position ``p``; ``compose/positions.py``), ``N`` at least the policy's ``rotary_rows`` and the
+            step's length plus one, for scorers that declare ``reads_queries``; ``None`` otherwise.
+        scaling: the model's factor on ``q . k`` (usually ``D ** -0.5``), given with ``queries``.
     """
 
     mass: torch.Tensor
@@ -94,3 +102,7 @@ class Observation:
     keys: torch.Tensor | None = None
     inserted: torch.Tensor | None = None
     sentence_start: torch.Tensor | None = None
+    queries: torch.Tensor | None = None
+    query_pos: torch.Tensor | None = None
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None
+    scaling: float | None = None
