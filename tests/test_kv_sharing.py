@@ -124,17 +124,6 @@ def test_a_model_whose_every_layer_reuses_another_models_keys_is_refused():
         el.apply(model, el.Policy(budget=None))
 
 
-def test_generate_with_a_budget_decodes_and_matches_a_second_run(shared_model):
-    # end to end through generate(): deterministic, and every row's tokens continue from its own prompt
-    _, model = shared_model
-    ids, mask = left_padded(LENGTHS)
-    policy = el.load_recipe("h2o").replace(budget=8)
-    with el.apply(model, policy):
-        first = greedy(model, ids, mask, NEW_TOKENS)
-        second = greedy(model, ids, mask, NEW_TOKENS)
-    assert torch.equal(first.sequences, second.sequences)
-
-
 def test_compile_decodes_a_kv_sharing_model_layer_by_layer_and_says_why(shared_model):
     _, model = shared_model
     ids, mask = left_padded(LENGTHS)

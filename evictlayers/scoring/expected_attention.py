@@ -7,6 +7,7 @@ import math
 
 import torch
 
+from evictlayers.compose.positions import rotate
 from evictlayers.core.slots import along_slots
 from evictlayers.scoring.accumulator import ScoreAccumulator
 from evictlayers.scoring.key_diff import inserted_keys
@@ -19,24 +20,10 @@ COUNT, MEAN, M2 = "query_count", "query_mean", "query_m2"
 SLOT_BLOCK = 1024  # a multi-token step scores the slots in blocks of this many (the quadratic form's scratch)
 
 
-def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x`` ``[..., D]`` times the block-diagonal ``[[cos, -sin], [sin, cos]]`` in RoPE's rotate-half layout
-    (pairs ``(i, i + R/2)`` of the first ``R = cos.shape[-1]`` dims, the rest unchanged), ``cos``/``sin``
-    ``[..., R]`` broadcast. Rotation by a position when they are a rotary table's row; the averaged rotation
-    when they are the mean of rows (the map is linear in ``(cos, sin)``)."""
-    width = cos.shape[-1]
-    half = width // 2
-    first, second = x[..., :half], x[..., half:width]
-    turned = torch.cat(
-        (first * cos[..., :half] - second * sin[..., :half], second * cos[..., half:] + first * sin[..., half:]), dim=-1
-    )
-    return turned if width == x.shape[-1] else torch.cat((turned, x[..., width:]), dim=-1)
-
-
 def _turn_both(matrix: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """``M R^T`` then ``R (M R^T)``: a ``[..., D, D]`` second moment carried by the rotation ``R`` of its vectors."""
-    rows = _turn(matrix, cos, sin)  # every row r -> R r, i.e. M R^T
-    return _turn(rows.transpose(-1, -2), cos, sin).transpose(-1, -2)
+    rows = rotate(matrix, cos, sin)  # every row r -> R r, i.e. M R^T
+    return rotate(rows.transpose(-1, -2), cos, sin).transpose(-1, -2)
 
 
 def _check_int(name: str, value: object, least: int) -> int:
@@ -190,10 +177,10 @@ class ExpectedAttention(ScoreAccumulator):
         last = cos.shape[0] - 1
         advance = (query_pos >= 0).sum(1).clamp(max=last)  # [B] real tokens: the frame moves by as many positions
         turn = cos[advance][:, None, None], sin[advance][:, None, None]  # [B, 1, 1, R]
-        mean = _turn(state[MEAN], *turn)
+        mean = rotate(state[MEAN], *turn)
         counted = query_pos >= self.n_sink  # [B, Q]; padding (-1) never counts
         offset = (seen[:, None] - query_pos).clamp(0, last)  # [B, Q]: R(t0 - p) q_p = R(t0) q
-        framed = _turn(queries, cos[offset][:, None, None], sin[offset][:, None, None])
+        framed = rotate(queries, cos[offset][:, None, None], sin[offset][:, None, None])
         mask = counted[:, None, None, :, None]
         framed = torch.where(mask, framed, 0.0)  # a padding query may hold anything
         step_count = counted.sum(1).to(framed.dtype)[:, None]  # [B, 1]
@@ -218,7 +205,7 @@ class ExpectedAttention(ScoreAccumulator):
         """``[B, H_kv, n, G]`` expected log-attention of each query head of the group for ``keys``
         ``[B, H_kv, n, D]`` (post-RoPE), over the next ``n_future_positions`` positions."""
         future = self.n_future_positions
-        unturned = _turn(keys, cos[:future].mean(0), -sin[:future].mean(0))  # A^T k
+        unturned = rotate(keys, cos[:future].mean(0), -sin[:future].mean(0))  # A^T k
         logit = scaling * torch.einsum("bhnd,bhgd->bhng", unturned, state[MEAN])
         if self.use_covariance:
             covariance = state[M2] / state[COUNT].clamp(min=1)[..., None, None, None]  # biased, as kvpress
