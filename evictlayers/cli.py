@@ -47,6 +47,7 @@ TASK_OPTIONS: dict[str, tuple[str, ...]] = {
     "ruler_samples": ("ruler",),
     "ruler_setting": ("ruler",),
     "ruler_template": ("ruler",),
+    "ruler_depths": ("ruler",),
     "split": ("ruler", "perplexity", "agreement"),
     "prefill_chunk": ("passkey", "lines", "ruler"),
 }
@@ -54,7 +55,7 @@ TASK_OPTIONS: dict[str, tuple[str, ...]] = {
 OPTION_HINTS = {"prefill_chunk": {"perplexity": "--chunk", "agreement": "--chunk"}}
 # command-line option -> the task's argument, where the flag carries the task's name
 OPTION_ARGUMENTS = {"ruler_tasks": "tasks", "ruler_samples": "samples", "ruler_setting": "setting",
-                    "ruler_template": "template"}
+                    "ruler_template": "template", "ruler_depths": "depths"}
 
 
 def budget_argument(text: str):
@@ -76,6 +77,14 @@ def positive_int(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
     return value
+
+
+def _percent(text: str) -> int:
+    """``--ruler-depths``' type: a whole number (its range is checked with the tasks, every error at once)."""
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole percentage from 0 to 100, got {text!r}") from None
 
 
 def _fraction(text: str) -> float:
@@ -155,6 +164,11 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--ruler-template", choices=TEMPLATES, default=None,
                        help="auto: the tokenizer's chat template where it has one (default); chat: require it; "
                             "base: plain text")
+    group.add_argument("--ruler-depths", nargs="+", type=_percent, default=None, metavar="PCT",
+                       help="needle depths in percent (0: before the whole haystack, 100: after it) for the "
+                            "single-needle tasks niah_single_1/2/3 (the default tasks then): --ruler-samples "
+                            "prompts per task, length and depth; also writes the depth x length heat map "
+                            "ruler_needle_map.md/.png (default: RULER's drawn depths)")
     group = ev.add_argument_group("passkey, lines and ruler")
     group.add_argument("--max-new-tokens", type=positive_int, default=None,
                        help="tokens generated per prompt (8; ruler: RULER's per task)")
@@ -201,7 +215,7 @@ def _task_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             hint = f"; --task {args.task} has its own {own}" if own else ""
             parser.error(f"{flag} does not apply to --task {args.task} (it applies to: {', '.join(tasks)}){hint}")
         options[OPTION_ARGUMENTS.get(option, option)] = value
-    if "depths" in options:
+    if args.depths is not None:  # passkey's --depths (ruler's --ruler-depths is a list)
         options["depths"] = int(options["depths"])
     return options
 
@@ -232,6 +246,7 @@ def _with_floor(spec, min_budget: int | None):
 
 def _cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from evictlayers.compose import RecipeError
+    from evictlayers.eval.needle_map import write_needle_map
     from evictlayers.eval.report import markdown_table, write_results
     from evictlayers.eval.runner import evaluate, expand_budgets, resolve_recipe
     from evictlayers.eval.tasks.documents import read_texts
@@ -249,6 +264,10 @@ def _cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
             split_seed(options["split"], options.get("seed"))
             split_tasks(options["split"], options.get("tasks"))
             split_books(texts if texts is not None else read_texts(options.get("data")), options["split"])
+        if args.task == "ruler" and options.get("depths") is not None:  # every depth error before the model loads
+            from evictlayers.eval.tasks.ruler import check_depths
+
+            check_depths(options["depths"], options.get("tasks"))
     except (FileNotFoundError, RecipeError, ValueError) as error:
         parser.error(str(error))
     try:
@@ -265,6 +284,7 @@ def _cmd_eval(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ValueError as error:
         parser.error(str(error))
     written = write_results(result, args.out)
+    written.update(write_needle_map(result, args.out))  # RULER with --ruler-depths: the heat map beside ruler.md
     print(markdown_table(result))
     print("\nwrote " + ", ".join(str(p) for p in written.values() if p is not None))
     return 0

@@ -92,12 +92,34 @@ def _mean(values) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def _needle_map(records: Sequence[dict], order: dict) -> dict:
+    cells: dict[tuple[str, int, int, str], list[dict]] = defaultdict(list)
+    for r in records:
+        cells[(r["setting"], int(r["depth"]), int(r["length"]), r["task"])].append(r)
+    out: dict[str, dict[str, dict[str, dict]]] = {}
+    for (setting, depth, length, task), rs in sorted(cells.items(), key=lambda kv: (order[kv[0][0]], *kv[0][1:3],
+                                                                                       order[kv[0][3]])):
+        metric = METRICS[TASKS[task].metric]
+        cell = out.setdefault(setting, {}).setdefault(str(depth), {}).setdefault(str(length), {"n": 0, "by_task": {}})
+        cell["by_task"][task] = metric([r["generated"] for r in rs], [r["answers"] for r in rs])
+        cell["n"] += len(rs)
+    for by_depth in out.values():
+        for by_length in by_depth.values():
+            for length, cell in by_length.items():
+                by_length[length] = {"score": _mean(cell["by_task"].values()), **cell}
+    return out
+
+
 def summarize_ruler(records: Sequence[dict]) -> dict:
     """RULER's scores from per-sample records (``setting``, ``length``, ``task``, ``generated``, ``answers``).
 
     ``scores[setting][length][task]`` is RULER's task score (``string_match_all`` over the samples,
     0-100); ``by_task``, ``by_group`` (RULER's categories) and ``by_setting`` average those cells, and
     ``score`` averages all of them (RULER's average, over the synthetic tasks).
+
+    Where the records have a needle ``depth`` (``--ruler-depths``), also ``needle_map[setting][depth][length]``
+    (string keys): ``{"score", "n", "by_task"}``, the task scores of that depth and length (each RULER's
+    score over the cell's prompts) and their mean, and how many prompts the cell holds.
     """
     cells: dict[tuple[str, int, str], list[dict]] = defaultdict(list)
     for r in records:
@@ -110,7 +132,11 @@ def summarize_ruler(records: Sequence[dict]) -> dict:
         scores.setdefault(setting, {}).setdefault(str(length), {})[task] = score
     flat = [(s, length, t, v) for s, by_len in scores.items() for length, by_task in by_len.items()
             for t, v in by_task.items()]
+    needle = {}
+    if any(r.get("depth") is not None for r in records):
+        needle = {"needle_map": _needle_map([r for r in records if r.get("depth") is not None], order)}
     return {
+        **needle,
         "score": _mean(v for *_, v in flat),
         "scores": scores,
         "by_setting": {s: _mean(v for s2, _, _, v in flat if s2 == s) for s in scores},

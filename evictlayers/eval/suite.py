@@ -48,7 +48,9 @@ from evictlayers.eval.tasks.lines import lines_prompts, parse_record, score_line
 from evictlayers.eval.tasks.passkey import HAYSTACKS, passkey_grid, score_passkey
 from evictlayers.eval.protocol import split_books, split_seed, split_tasks
 from evictlayers.eval.ruler_run import SETTINGS, generate_query_agnostic, generate_query_aware, summarize_ruler
-from evictlayers.eval.tasks.ruler import LEFT_OUT, Books, group_of, postprocess, ruler_samples, sample_score, use_chat
+from evictlayers.eval.tasks.ruler import (
+    LEFT_OUT, SINGLE_NEEDLE, Books, check_depths, group_of, postprocess, ruler_samples, sample_score, use_chat,
+)
 from evictlayers.eval.tasks.ruler import TASKS as RULER_TASKS
 
 __all__ = [
@@ -478,6 +480,10 @@ class RulerTask(EvalTask):
         data: the books for essay haystacks and word lists (default: the PG-19 sample).
         prefill_chunk: feed each prompt (query-agnostic: the context, then the question) through the model
             this many tokens at a time; ``None``: one forward.
+        depths: needle depths in percent (0..100) for the single-needle tasks: ``samples`` prompts per
+            task, length and depth, the needle at that depth (:func:`~evictlayers.eval.tasks.ruler.ruler_samples`),
+            each record with its ``depth`` (the needle heat map, :mod:`evictlayers.eval.needle_map`); the
+            tasks default to the (split's) single-needle ones. ``None``: RULER's drawn depths.
     """
 
     name = "ruler"
@@ -498,6 +504,7 @@ class RulerTask(EvalTask):
         split: str | None = None,
         n_bins: int = 20,
         prefill_chunk: int | None = None,
+        depths: Sequence[int] | None = None,
     ):
         super().__init__(tokenizer, n_bins)
         self.prefill_chunk = checked_prefill_chunk(prefill_chunk)
@@ -510,6 +517,9 @@ class RulerTask(EvalTask):
         if split is not None:
             seed = split_seed(split, seed)
             self.tasks = split_tasks(split, None if tasks is None else self.tasks)
+        self.depths = None if depths is None else check_depths(depths, None if tasks is None else self.tasks)
+        if self.depths is not None and tasks is None:
+            self.tasks = [t for t in self.tasks if t in SINGLE_NEEDLE]
         self.setting = [setting] if isinstance(setting, str) else list(dict.fromkeys(setting))
         bad = [s for s in self.setting if s not in SETTINGS]
         if bad or not self.setting:
@@ -536,7 +546,7 @@ class RulerTask(EvalTask):
         return {**super().settings(), "tasks": self.tasks, "lengths": self.lengths, "samples": self.samples,
                 "setting": self.setting, "template": self.template, "chat": self.chat, "seed": self.seed,
                 "max_new_tokens": self.max_new_tokens, "sources": self.sources, "split": self.split,
-                "prefill_chunk": self.prefill_chunk}
+                "prefill_chunk": self.prefill_chunk, **({"depths": self.depths} if self.depths is not None else {})}
 
     def check_model(self, model) -> None:
         config = model.config.get_text_config(decoder=True) if hasattr(model.config, "get_text_config") else model.config
@@ -547,13 +557,14 @@ class RulerTask(EvalTask):
                              f"(max_position_embeddings = {limit}); allowed: lengths <= {limit}")
 
     def build_rows(self) -> list[dict]:
-        prompts = [p for length in self.lengths for task in self.tasks
+        prompts = [p for length in self.lengths for task in self.tasks for depth in (self.depths or [None])
                    for p in ruler_samples(self.tokenizer, task, length, self.samples, self.seed, self.chat,
-                                          self.books, self.max_new_tokens)]
+                                          self.books, self.max_new_tokens, depth)]
         return [
             {"task": p.task, "group": group_of(p.task), "length": p.length, "sample": p.index, "setting": setting,
              "input_ids": list(p.input_ids), "n_context": p.n_context, "answers": list(p.answers),
-             "max_new_tokens": p.max_new_tokens, "n_tokens": p.n_tokens, "haystack": p.haystack}
+             "max_new_tokens": p.max_new_tokens, "n_tokens": p.n_tokens, "haystack": p.haystack,
+             **({"depth": p.depth} if p.depth is not None else {})}
             for setting in self.setting for p in prompts
         ]
 

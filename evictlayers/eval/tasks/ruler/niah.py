@@ -11,6 +11,10 @@ for the values of ``num_queries`` of the ``max(num_keys, num_queries)`` keys. Ha
 - ``needle``: lines that are all needles with other keys and values (the distractors of
   ``niah_multikey_2`` and ``_3``).
 
+A fixed ``depth`` (percent, for a prompt with one needle: the needle heat map) puts the needle after
+``floor(units * depth / 100)`` of the haystack's units (essay sentences, noise lines) instead of a drawn
+depth, as RULER's fixed ``insertion_percentage`` does: 0 = before the first unit, 100 = after the last.
+
 Deviation: RULER draws distractor keys and values independently and could, rarely, repeat an asked
 key or an answer; here every key and value in one prompt is distinct, so an asked key occurs in
 exactly one needle and every answer value in exactly one place.
@@ -44,12 +48,22 @@ def _template(kind: str, plural: bool, query: str) -> tuple[str, str, str]:
             f" The special magic {one} for {query} mentioned in the provided text is")
 
 
-def niah_sampler(args: Mapping, seed: str, books: Books | None):
+def niah_sampler(args: Mapping, seed: str, books: Books | None, depth: int | None = None):
     """``(make, smallest)``: ``make(n)`` builds the sample ``seed`` with a haystack of ``n`` units (essay
-    words, noise lines or distractor needles)."""
+    words, noise lines or distractor needles); ``depth`` (0..100, one needle only): where the needle goes
+    (default: drawn, as RULER does).
+
+    Raises:
+        ValueError: a ``depth`` outside 0..100, or for a prompt with several needles.
+    """
     key_kind, value_kind, haystack = args["key"], args["value"], args["haystack"]
     k, v, q = args["num_keys"], args["num_values"], args["num_queries"]
     k = max(k, q)  # RULER: at least as many keys as questions
+    if depth is not None:
+        if isinstance(depth, bool) or not isinstance(depth, int) or not 0 <= depth <= 100:
+            raise ValueError(f"needle depth {depth!r}: expected a whole percentage from 0 to 100")
+        if k * v != 1 or haystack == "needle":
+            raise ValueError("a needle depth needs a prompt with one needle, in an essay or noise haystack")
     words = books.vocabulary if books is not None else None
 
     def make(n: int) -> Parts:
@@ -64,7 +78,8 @@ def niah_sampler(args: Mapping, seed: str, books: Books | None):
         if haystack == "essay":
             book, start = books.start(rng)
             sentences = essay_sentences(books.words_from(book, start, n))
-            cuts = [0, *sorted(len(sentences) * d // 100 for d in rng.sample(DEPTHS, len(needles))), len(sentences)]
+            depths = rng.sample(DEPTHS, len(needles)) if depth is None else [depth]
+            cuts = [0, *sorted(len(sentences) * d // 100 for d in depths), len(sentences)]
             pieces = []
             for i in range(1, len(cuts)):
                 pieces.append(" ".join(sentences[cuts[i - 1] : cuts[i]]))
@@ -78,8 +93,10 @@ def niah_sampler(args: Mapping, seed: str, books: Books | None):
                 keys_d = distinct(rng, lambda r: random_key(r, key_kind, words), n, taken)
                 values_d = distinct(rng, lambda r: random_key(r, value_kind, words), n, taken)
                 lines = [NEEDLE.format(kind=value_kind, key=a, value=b) for a, b in zip(keys_d, values_d)]
+            # a fixed depth may be n: after the last line
+            spots = rng.sample(range(n), len(needles)) if depth is None else [n * depth // 100]
             # from the last position down, so each needle lands at its drawn line of the original list
-            for index, needle in zip(sorted(rng.sample(range(n), len(needles)), reverse=True), needles):
+            for index, needle in zip(sorted(spots, reverse=True), needles):
                 lines.insert(index, needle)
             text = "\n".join(lines)
         intro, question, prefix = _template(value_kind, q * v > 1, join_queries([keys[i] for i in asked]))
