@@ -8,7 +8,8 @@ from evictlayers.modules import (
     ClusterSketch, DenseKV, HeavyHitterSelector, KCenterSelector, QuantizedKV, RecentWindow, SinkTokens,
 )
 from evictlayers.scoring import (
-    Averaged, ChunkScores, CrossLayer, Cumulative, ExpectedAttention, KeyDiff, KeyNorm, LayerScope, LowScoreCounter,
+    Averaged, ChunkScores, ContextReconstruction, CrossLayer, Cumulative, ExpectedAttention, KeyDiff, KeyNorm,
+    LayerScope, LowScoreCounter,
     PooledScores, RecentThenCumulative, SentenceScores, StepGainSoftmax, ValuePrior, Windowed,
 )
 
@@ -18,6 +19,7 @@ __all__ = [
     "ChunkScores",
     "Induction",
     "CompileError",
+    "ContextReconstruction",
     "CrossLayer",
     "ClusterSketch",
     "Component",

@@ -30,8 +30,12 @@ def decode_logits(model, policy, compile: bool, steps: int = STEPS, device: str 
     ids, mask = (t.to(device) for t in left_padded(LENGTHS))
     logits = []
     with torch.no_grad(), el.apply(model, policy, compile=compile, tokenizer=CharTokenizer()) as run:
-        cache = run.new_cache()
-        out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        if policy.requires_probes:  # KVzip: the prompt but its last token compressed, then that token
+            cache = run.compress_context(ids[:, :-1], mask[:, :-1], repeat_prompt=[5, 6, 7], chunk=8)
+            out = model(input_ids=ids[:, -1:], attention_mask=mask, past_key_values=cache, use_cache=True)
+        else:
+            cache = run.new_cache()
+            out = model(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True)
         for _ in range(steps):
             token = out.logits[:, -1].argmax(-1, keepdim=True)
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
@@ -99,7 +103,7 @@ def test_one_graph_no_recompiles_same_logits_as_eager(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["scissorhands", "ahakv", "h2o_averaged", "streaming_llm", "full", "keydiff", "knorm",
-                                    "snapkv", "tova", "expected_attention"])
+                                    "snapkv", "tova", "expected_attention", "kvzip"])
 def test_shipped_recipes_compile_without_recompiles(recipe):
     model = build("llama")
     policy = el.load_recipe(recipe)

@@ -161,21 +161,33 @@ def _rope_table() -> RotaryTable:
 
 def _prefill_and_decode(policy, monkeypatch, force_mass: bool):
     """Prefill 300 random tokens (head dim 64, as the int4 recipes' groups need) into a store under
-    ``policy`` then decode 4; with ``force_mass`` every prefill computes the summed mass whatever the
-    policy reads."""
+    ``policy`` then decode 4; with ``force_mass`` every prefill (and probe) computes the summed mass whatever the
+    policy reads. A policy that scores by probes (``kvzip``) defers eviction over the prefill, probes it with 24
+    more tokens (which are not stored), then evicts, as ``run.compress_context`` does."""
     import evictlayers.compose.prefill_step as prefill_module
+    import evictlayers.compose.probe_step as probe_module
 
     real = prefill_module.prefill_attention
     if force_mass:
-        monkeypatch.setattr(prefill_module, "prefill_attention", lambda *a, **k: real(*a, **{**k, "need_mass": True}))
+        forced = lambda *a, **k: real(*a, **{**k, "need_mass": True})  # noqa: E731
+        monkeypatch.setattr(prefill_module, "prefill_attention", forced)
+        monkeypatch.setattr(probe_module, "prefill_attention", forced)
     g = torch.Generator().manual_seed(21)
-    q, k, v = (torch.randn(2, h, 304, 64, generator=g) for h in (6, 2, 2))
+    q, k, v = (torch.randn(2, h, 328, 64, generator=g) for h in (6, 2, 2))
     # a scorer that reads the queries' positions (ExpectedAttention) needs a rotary table: RoPE's, head dim 64
     store = el.SlotStore(policy, rotary=_rope_table() if policy.reads_queries else None)
+    if policy.requires_probes:
+        store.defer()
     outs = [store.step(q[:, :, :300], k[:, :, :300], v[:, :, :300], scaling=0.125)]
+    if policy.requires_probes:
+        store.probing = True
+        outs.append(store.step(q[:, :, 304:], k[:, :, 304:], v[:, :, 304:], scaling=0.125))
+        store.probing = False
+        store.evict_deferred()
     for i in range(300, 304):
         outs.append(store.step(q[:, :, i : i + 1], k[:, :, i : i + 1], v[:, :, i : i + 1], scaling=0.125))
     monkeypatch.setattr(prefill_module, "prefill_attention", real)
+    monkeypatch.setattr(probe_module, "prefill_attention", real)
     return store, outs
 
 
@@ -191,8 +203,10 @@ def test_skipping_the_mass_changes_no_shipped_recipe(recipe, monkeypatch):
     assert torch.equal(skipped.pos, forced.pos)
     for name in forced.state:
         torch.testing.assert_close(skipped.state[name], forced.state[name], rtol=0, atol=0, equal_nan=True)
-    torch.testing.assert_close(skipped_outs[0], forced_outs[0], rtol=1e-5, atol=1e-6)
-    for a, b in zip(skipped_outs[1:], forced_outs[1:]):
+    multi = 2 if policy.requires_probes else 1  # the prefill, and the probe where there is one
+    for a, b in zip(skipped_outs[:multi], forced_outs[:multi]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for a, b in zip(skipped_outs[multi:], forced_outs[multi:]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
@@ -201,7 +215,7 @@ def test_which_policies_read_the_mass():
     row is the one-token step's only row (Algorithm 1 lines 8 and 27)."""
     assert el.load_recipe("h2o").reads_mass and el.load_recipe("h2o_averaged").reads_mass
     assert not any(el.load_recipe(r).reads_mass for r in ("streaming_llm", "local", "full", "keydiff", "knorm",
-                                                           "expected_attention",
+                                                           "expected_attention", "kvzip",
                                                            "tova", "snapkv", "scissorhands", "tova_keydiff",
                                                            "tova_keydiff_chunked", "tova_keydiff_induction",
                                                            "ahakv", "ahakv_windowed"))
@@ -212,7 +226,8 @@ def test_what_a_decode_step_of_each_shipped_recipe_reads():
     mass and dequantises a quantised cache only for recipes whose scorers read them (written out from the
     components: attention-fed scorers and windows of rows read the mass; KeyDiff, KeyNorm and k-center the
     keys; ValuePrior as a selector's prior the values, as ``ahakv``'s prefill prior only at prefill;
-    ExpectedAttention both, scoring the arriving key and weighing it by its value's norm)."""
+    ExpectedAttention both, scoring the arriving key and weighing it by its value's norm; ContextReconstruction
+    nothing, a generated token scoring 1 on arrival)."""
     mass = {"ahakv", "ahakv_windowed", "h2o", "h2o_averaged", "h2o_int4", "h2o_windowed", "scissorhands",
             "scissorhands_int4", "snapkv", "tova", "tova_keydiff", "tova_keydiff_chunked", "tova_keydiff_induction"}
     keys = {"clustergen_kcenter", "expected_attention", "keydiff", "knorm", "tova_keydiff", "tova_keydiff_chunked",

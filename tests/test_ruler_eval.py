@@ -354,3 +354,20 @@ def test_plot_has_a_panel_row_per_model(tmp_path):
     ]
     path = plot_ruler(results, tmp_path / "plot.png")
     assert path.stat().st_size > 0
+
+
+def test_a_reconstruction_policy_compresses_each_prompt_first_in_both_settings(model, tok, books):
+    """KVzip's recipe cannot fill a cache through generate() alone: each setting compresses the prompt (query-aware:
+    all but its last token) or the context (query-agnostic) with run.compress_context first. With nothing evicted
+    that is the unmodified model's answer; under a budget every head holds at most it."""
+    task = make_task("ruler", tok, tasks=["niah_single_1", "vt"], lengths=[LENGTH], samples=1, data=books,
+                     setting=["query_aware", "query_agnostic"], max_new_tokens=STEPS)
+    policies = {"full": el.load_recipe("full"), "kvzip-all": el.load_recipe("kvzip").replace(budget=None),
+                "kvzip": el.load_recipe("kvzip").replace(budget=0.3)}
+    _, records = run_test(PolicyEvaluator(model, task, policies, threads=1), batch_size=4, progress=False)
+    for setting in ("query_aware", "query_agnostic"):
+        full, kept = _by_setting(records["full"], setting), _by_setting(records["kvzip-all"], setting)
+        assert {name: r["generated"] for name, r in kept.items()} == {name: r["generated"] for name, r in full.items()}
+        for r in _by_setting(records["kvzip"], setting).values():
+            heads = r["full_slots"] / r["seen_tokens"]
+            assert r["retained_slots"] <= r["budget_tokens"] * heads < r["full_slots"]

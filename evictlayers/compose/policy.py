@@ -149,6 +149,8 @@ class Policy(nn.Module):
                 "rotating the step's queries to the positions they will have, and under rolling positions no query "
                 "or key sits at its own position; use positions='absolute' with it"
             )
+        if selector_set is not None:
+            self._check_probes(selector_set, gqa_reduce, positions, bool(sketches))
         # the open-ended RecentWindow reserves last: it takes what the others leave
         self.protections = nn.ModuleList(sorted(protections, key=lambda m: m in open_ended))
         self.selectors = selector_set
@@ -211,6 +213,42 @@ class Policy(nn.Module):
             raise ValueError(
                 "ClusterSketch absorbs the tokens that leave the exact slots, so the policy must say which "
                 "tokens stay exact: add a RecentWindow (ClusterGen keeps the most recent tokens exact) or a selector"
+            )
+
+    @staticmethod
+    def _check_probes(selectors: SelectorSet, gqa_reduce: str, positions: str, sketch: bool) -> None:
+        """A scorer defined with one GQA reduction gets it; one that scores by probes (``ContextReconstruction``)
+        gets a policy whose every selector can observe a probe, absolute positions and no sketch (a probe's tokens
+        attend over the held slots as they are, and are never stored)."""
+        for member in selectors.members:
+            name = type(getattr(member, "accumulator", member)).__name__
+            need = member.needs_gqa_reduce
+            if need is not None and gqa_reduce != need:
+                raise ValueError(
+                    f"{name} is defined with the {need} over the query heads of each KV head's GQA group: use "
+                    f"Policy(gqa_reduce={need!r}) (got {gqa_reduce!r})"
+                )
+        if not selectors.requires_probes:
+            return
+        probed = ", ".join(sorted({type(getattr(m, "accumulator", m)).__name__ for m in selectors.members
+                                   if m.requires_probes}))
+        blind = [m for m in selectors.members if not m.observes_probes]
+        if blind:
+            names = ", ".join(f"{type(m).__name__}({m.extra_repr()})" for m in blind)
+            raise ValueError(
+                f"Policy holds {probed}, which scores tokens by probes (run.compress_context), but {names} cannot "
+                "observe a probe (a selector observes one when its accumulator declares observes_probes and it has "
+                "no prior, no transform and no refinement with state of its own)"
+            )
+        if positions == "rolling":
+            raise ValueError(
+                f"Policy(positions='rolling') cannot hold {probed}: its probes attend at positions after the "
+                "context's, which rolling positions re-rank at every step; use positions='absolute'"
+            )
+        if sketch:
+            raise ValueError(
+                f"Policy cannot hold both {probed} and a ClusterSketch: a probe attends over the exact slots only "
+                "(the sketch merges what eviction absorbed); use a policy without the sketch"
             )
 
     @staticmethod
@@ -459,6 +497,18 @@ class Policy(nn.Module):
     def rotary_rows(self) -> int:
         """Rows of the layer's rotary table (positions ``0..n-1``) the scorers read at least, every step."""
         return self.selectors.rotary_rows if self.selectors is not None else 0
+
+    @property
+    def observes_probes(self) -> bool:
+        """Whether every selector knows a probe step from one that inserts tokens (``Observation.probe``): only
+        then may the slot store run one (``SlotStore.probing``). A policy without a selector has nothing to feed."""
+        return self.selectors.observes_probes if self.selectors is not None else False
+
+    @property
+    def requires_probes(self) -> bool:
+        """Whether a scorer's scores mean nothing until probes have run (``ContextReconstruction``): a budgeted
+        cache of this policy must then defer eviction at its first step (``run.compress_context`` does)."""
+        return self.selectors.requires_probes if self.selectors is not None else False
 
     @property
     def reads_sentences(self) -> bool:

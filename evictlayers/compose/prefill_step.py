@@ -99,6 +99,7 @@ def prefill_step(
         inserted=torch.arange(first_new, first_new + q_len, device=key.device).expand(batch, kv_heads, q_len),
         sentence_start=sentence_start,
         **(_query_fields(store, query, query_pos, scaling) if policy.reads_queries else {}),
+        deferred=store.deferred,
     )
     store.seen = store.seen + real.sum(1)
     store.seq_len += q_len
@@ -117,6 +118,12 @@ def prefill_step(
             store.ranks = slot_ranks(store.pos)
         store.filled = store.seq_len if gapless and _in_order(store, key, real) else None
 
+    if store.deferred:  # held whole, as a full cache, until the probes have run (``evict_deferred``)
+        store.kv, store.pos, store.state, store.filled = slots, pos, state, None
+        store.deferred_window = sliding_window
+        if policy.positions == "rolling":
+            store.ranks = slot_ranks(store.pos)
+        return out
     board = store.board
     if board is None:
         select()
@@ -196,6 +203,20 @@ def _in_order(store: PrefillStore, key: torch.Tensor, real: torch.Tensor) -> boo
         store.budget is None and key.device.type == "cpu" and policy.positions != "rolling"
         and not policy.state_specs and not policy.head_state_specs and store.kv.free_dense and bool(real.all())
     )
+
+
+def evict_deferred(store: PrefillStore) -> None:
+    """The selection the held steps of a deferring store skipped (``SlotStore.defer``): each head keeps its best
+    ``budget`` of every slot it holds, by ``_keep_best`` as a multi-token step would, after ``prepare`` (its
+    scorers' state as the probes left it); the window is the one the held steps attended with."""
+    policy = store.policy
+    view = SlotView(pos=store.pos, seen=store.seen, budget=store.budget, keys=store.kv.dense()[0],
+                    window=store.deferred_window)
+    ranking.prepare(policy, store.state, view)
+    _keep_best(store, store.kv, store.pos, store.state, view)
+    if policy.positions == "rolling":
+        store.ranks = slot_ranks(store.pos)
+    store.filled = None
 
 
 def _keep_best(

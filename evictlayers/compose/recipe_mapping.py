@@ -27,6 +27,7 @@ from evictlayers.modules.heavy_hitter_options import OPTION_DEFAULTS, refinement
 from evictlayers.scoring import (
     Averaged,
     ChunkScores,
+    ContextReconstruction,
     CrossLayer,
     Cumulative,
     ExpectedAttention,
@@ -48,7 +49,7 @@ COMPONENTS: dict[str, type[Component]] = {
         RecentWindow, SinkTokens, HeavyHitterSelector, Cumulative, Averaged, Uniform, Ramp, Pyramid, ByLayerKind,
         Induction, Windowed, LowScoreCounter, StepGainSoftmax, ValuePrior, DenseKV, QuantizedKV, ClusterSketch,
         RecentThenCumulative, KeyDiff, KeyNorm, KCenterSelector, CrossLayer, PooledScores, ChunkScores,
-        SentenceScores, LayerScope, ExpectedAttention,
+        SentenceScores, LayerScope, ExpectedAttention, ContextReconstruction,
     )
 }
 # arguments a component no longer takes, with what replaced them (recipes written before keep failing clearly)

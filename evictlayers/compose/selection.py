@@ -158,8 +158,9 @@ class SelectorSet(nn.Module):
     def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
         n_rows = observation.rows.shape[2]
         for index, member in enumerate(self.members):
-            # each member sees the last rows it asked for (the observation holds the most any asked for)
-            keep = min(member.rows_needed, n_rows)
+            # each member sees the last rows it asked for (the observation holds the most any asked for); a
+            # probe's rows are every member's (``Observation.probe``)
+            keep = n_rows if observation.probe else min(member.rows_needed, n_rows)
             own = dataclasses.replace(
                 observation, rows=observation.rows[:, :, n_rows - keep :], row_pos=observation.row_pos[:, n_rows - keep :]
             )
@@ -168,6 +169,14 @@ class SelectorSet(nn.Module):
     def forget(self, state: dict[str, torch.Tensor], keys: torch.Tensor, gone: torch.Tensor) -> None:
         for index, member in enumerate(self.members):
             member.forget(self._part(index, state), keys, gone)
+
+    @property
+    def observes_probes(self) -> bool:
+        return all(member.observes_probes for member in self.members)
+
+    @property
+    def requires_probes(self) -> bool:
+        return any(member.requires_probes for member in self.members)
 
     @property
     def reads_candidates(self) -> bool:

@@ -47,6 +47,8 @@ class PrefillStore(DecodeStore, Protocol):
     bound: str | None  # which rule bounds the layer: "budget", "window" or None
     board: CrossLayerBoard | None  # the cache's CrossLayer board, shared by every layer
     ranking_layer: bool  # this layer publishes its last query row on the board
+    deferred: bool  # every step's tokens are held until ``evict_deferred`` (``SlotStore.defer``)
+    deferred_window: int | None  # the sliding window the held steps attended with
 
     @property
     def capacity(self) -> int: ...

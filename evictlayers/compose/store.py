@@ -6,9 +6,10 @@ empty; slots are unordered, each head holding its own token set), and the policy
 rolling ranks, the tokens seen, the budget and the sketch buffers live here too. The store allocates,
 grows, reorders (beam search), evicts and reports its bytes itself; the Hugging Face cache layer only
 hands it tensors. It dispatches each step: a multi-token step to ``compose/prefill_step.py``, a
-one-token step to ``compose/decode_step.py``. After every step a budgeted store holds at most ``budget``
-tokens per head in ``budget + 1`` slots: the spare slot is where the next decoded token lands, so
-decoding never moves memory (H2O Appendix A).
+one-token step to ``compose/decode_step.py``, a probe (tokens that attend and score but are never stored,
+while ``probing``) to ``compose/probe_step.py``; ``defer`` holds every token until ``evict_deferred``. After
+every step (but while deferring) a budgeted store holds at most ``budget`` tokens per head in ``budget + 1``
+slots: the spare slot is where the next decoded token lands, so decoding never moves memory (H2O Appendix A).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from evictlayers.compose.decode_step import compiled_decode_step, decode_in_orde
 from evictlayers.compose.eviction import release_evicted
 from evictlayers.compose.policy import Policy
 from evictlayers.compose.positions import RotaryTable, slot_ranks
-from evictlayers.compose.prefill_step import prefill_step
+from evictlayers.compose.prefill_step import evict_deferred, prefill_step
+from evictlayers.compose.probe_step import probe_step
 from evictlayers.compose.step_state import change_per_slot, sentence_starts, token_positions
 from evictlayers.core import Component
 from evictlayers.core.slots import pad_slots
@@ -156,6 +158,13 @@ class SlotStore:
         # pos [B, H_kv, N], query_pos [B, Q])``: the slots and tokens this step attended over, before eviction
         self.keeps_attended = False
         self.attended: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        # deferred eviction (``defer``): every step's tokens are held until ``evict_deferred``, which keeps each head's
+        # best ``budget`` (the sliding window the held steps attended with is kept for it)
+        self.deferred = False
+        self.deferred_window: int | None = None
+        # probe steps (``probing``, set by ``EvictionCache.probing``): a step's tokens attend and feed the scorers but
+        # are never stored (``compose/probe_step.py``)
+        self.probing = False
 
     # ---- sizes ---------------------------------------------------------------------------------
 
@@ -265,6 +274,8 @@ class SlotStore:
         raised: a ``ValueError``/``TypeError`` (bad input or configuration) keeps its type and gets a
         note; anything else (a bug, bad state, a kernel error) becomes a ``PolicyError`` from it."""
         try:
+            if self.probing:
+                return self._probe(query, key, value, real, **attention_kwargs)
             if self.chunk is not None:
                 return self._chunked_step(query, key, value, real, **attention_kwargs)
             return self._step(query, key, value, real, **attention_kwargs)
@@ -335,6 +346,15 @@ class SlotStore:
                 f"model's cache layer has a window of {self.window} tokens"
             )
         first = self.seen is None
+        if first and self.policy.requires_probes and self.policy.budget is not None and not self.deferred:
+            raise ValueError(
+                "the policy scores tokens by probes (ContextReconstruction: KVzip's context reconstruction), so a "
+                "bounded cache must reconstruct its context before anything is evicted: compress the context with "
+                "cache = run.compress_context(context_ids, attention_mask), then generate from that cache "
+                "(model.generate(question_ids, attention_mask=<context and question mask>, past_key_values=cache)); "
+                "plain generate() or a forward on a fresh cache would rank tokens nothing scored. Policy: "
+                f"{' '.join(repr(self.policy).split())}"
+            )
         if first:
             self.seen = torch.zeros(batch, dtype=torch.long, device=key.device)
             prompt = real.sum(1)
@@ -361,6 +381,11 @@ class SlotStore:
             )
             self.last_sentence_end.copy_(last_end)  # in place: a captured decode graph writes only its buffers
         if q_len == 1 and self.kv is not None and not self.in_prompt:
+            if self.deferred:
+                raise ValueError(
+                    f"layer {self.layer_idx} defers eviction until its probes have run (SlotStore.defer): a one-token "
+                    "step cannot be decoded before evict_deferred() (EvictionCache.evict_deferred)"
+                )
             return self._decode(
                 query, key, value, real, scaling=scaling, softcap=softcap, sliding_window=sliding_window, sinks=sinks,
                 sentence_start=sentence_start,
@@ -418,6 +443,85 @@ class SlotStore:
         if self.ranks is not None:
             self.ranks.copy_(slot_ranks(self.pos))
 
+    # ---- probes and deferred eviction -----------------------------------------------------------
+
+    def defer(self) -> None:
+        """Hold every token of the coming steps, evicting nothing, until ``evict_deferred``; before the first step.
+        The budget is still resolved at the first step (from the declared prompt, as usual), and the scorers
+        observe each held step as usual (``Observation.deferred`` set), so probes can score the held tokens
+        before anything goes (KVzip's context, ``EvictionRun.compress_context``). A one-token step is refused
+        while deferred (the decode step needs the spare slot a selection leaves)."""
+        if self.seen is not None:
+            raise ValueError(f"layer {self.layer_idx}: defer eviction before the store's first step")
+        if self.board is not None:
+            raise ValueError(
+                f"layer {self.layer_idx}: a CrossLayer policy holds its steps on the cache's board until its ranking "
+                "layers have run; it cannot defer eviction beyond that"
+            )
+        self.deferred = True
+
+    def evict_deferred(self) -> None:
+        """End a deferral (``defer``): each head keeps its best ``budget`` of what it holds, by the rule a
+        multi-token step keeps them (``compose/prefill_step.py``'s ``_keep_best``), compacted into ``budget + 1``
+        slots. A store that saw no step only stops deferring."""
+        if not self.deferred:
+            raise ValueError(f"layer {self.layer_idx}: evict_deferred() without a deferral (SlotStore.defer)")
+        self.deferred = False
+        if self.kv is not None:
+            evict_deferred(self)
+
+    def add_room(self, extra: int) -> None:
+        """Raise each row's budget by ``extra`` tokens per head and give the slots room for them, after the prompt
+        (``EvictionRun.compress_context(room=...)``): what arrives next fills the room before anything held is
+        evicted. A layer bound by its sliding window (or without a budget) is left as it is: no later query sees
+        more than its window."""
+        if self.budget is None or self.bound == "window" or extra == 0:
+            return
+        self._grow(extra)
+        self.budget = self.budget + extra
+
+    def _why_no_probe(self) -> str | None:
+        """Why this store cannot run a probe step now, ``None`` when it can."""
+        policy = self.policy
+        if not policy.observes_probes:
+            return (
+                f"{' '.join(repr(policy).split())} has a selector that does not observe probes (a probe is for "
+                "scorers that declare observes_probes, ContextReconstruction), or no selector"
+            )
+        if policy.sketch is not None:
+            return "a ClusterSketch merges absorbed tokens, which a probe's attention over the exact slots leaves out"
+        if policy.positions == "rolling":
+            return "rolling positions re-rank the held keys at every step; a probe needs positions='absolute'"
+        if self.chunk is not None:
+            return "a chunked-attention layer lets go of earlier chunks at each step, which a probe must not do"
+        if self.kv is None:
+            return "the store holds nothing yet: feed the context first"
+        if self.in_prompt:
+            return "the declared prompt is still being fed: probe after its last chunk"
+        return None
+
+    def _probe(
+        self, query, key, value, real, *, scaling: float, softcap: float | None = None,
+        sliding_window: int | None = None, sinks: torch.Tensor | None = None, sentence_ends=None,
+    ) -> torch.Tensor:
+        """A probe step (``probing``): ``compose/probe_step.py``. Nothing of the store changes but the scorers'
+        per-slot state of the held slots; ``sentence_ends`` are not read (a probe inserts no token)."""
+        why = self._why_no_probe()
+        if why is not None:
+            raise ValueError(f"layer {self.layer_idx} cannot run a probe step: {why}")
+        batch, _, q_len, _ = key.shape
+        if self.seen.shape[0] != batch:
+            raise ValueError(f"this cache holds {self.seen.shape[0]} sequences but the probe has batch size {batch}")
+        if sliding_window is not None and self.window is not None and sliding_window != self.window:
+            raise ValueError(
+                f"layer {self.layer_idx}: the attention call passed sliding_window={sliding_window}, but the "
+                f"model's cache layer has a window of {self.window} tokens"
+            )
+        if real is None:
+            real = torch.ones(batch, q_len, dtype=torch.bool, device=key.device)
+        return probe_step(self, query, key, value, real, scaling=scaling, softcap=softcap,
+                          sliding_window=sliding_window, sinks=sinks)
+
     def _declared_prompt(self, batch: int, device: torch.device) -> torch.Tensor:
         """``prompt_len`` as ``[B]`` int64 on ``device``, checked against the first step's batch."""
         declared = self.prompt_len
@@ -452,7 +556,7 @@ class SlotStore:
         keeps its slots in position order (``decode_in_order``, on CPU). Not with a ClusterSketch: its coin
         table is remade every few steps (``_step_coins``), a branch that would compile the whole model twice
         more."""
-        if self.kv is None or self.sketch is not None or self.keeps_attended:
+        if self.kv is None or self.sketch is not None or self.keeps_attended or self.probing or self.deferred:
             return False
         if self.filled is not None:  # the in-order path runs on CPU only (``prefill_step``'s ``_in_order``)
             return self.filled < self.capacity

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 import torch
 
 import evictlayers as el
+from evictlayers.eval.compressed import reconstruction_cache
 from evictlayers.eval.tasks.ruler import GROUPS, TASKS, group_of
 from evictlayers.eval.tasks.ruler.scoring import METRICS
 
@@ -56,8 +57,9 @@ def generate_query_aware(model, policy: el.Policy, prompts: Sequence[Sequence[in
     ids, mask = _left_pad(prompts, pad_token_id)
     start = time.perf_counter()
     with torch.inference_mode(), el.apply(model, policy, compile=compile, tokenizer=tokenizer) as run:
+        cache = reconstruction_cache(run, ids, mask, prefill_chunk)  # KVzip compresses the prompt first
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=pad_token_id, prefill_chunk_size=prefill_chunk)
+                             pad_token_id=pad_token_id, prefill_chunk_size=prefill_chunk, past_key_values=cache)
         cache, stats = run.cache, run.stats()
     return out[:, ids.shape[1] :], cache, stats, time.perf_counter() - start
 
@@ -73,12 +75,15 @@ def generate_query_agnostic(model, policy: el.Policy, prompt: Sequence[int], n_c
     ids = torch.tensor([list(prompt)], dtype=torch.long)
     start = time.perf_counter()
     with torch.inference_mode(), el.apply(model, policy, compile=compile, tokenizer=tokenizer) as run:
-        cache = run.new_cache()
         context, context_mask = ids[:, :n_context], torch.ones(1, n_context, dtype=torch.long)
-        if prefill_chunk is None:
-            model(input_ids=context, attention_mask=context_mask, past_key_values=cache, use_cache=True)
+        if policy.requires_probes:  # KVzip: the context compressed by reconstructing it
+            cache = run.compress_context(context, context_mask, prefill_chunk=prefill_chunk)
         else:
-            run.prefill(context, context_mask, chunk=prefill_chunk, cache=cache)
+            cache = run.new_cache()
+            if prefill_chunk is None:
+                model(input_ids=context, attention_mask=context_mask, past_key_values=cache, use_cache=True)
+            else:
+                run.prefill(context, context_mask, chunk=prefill_chunk, cache=cache)
         # generate() feeds only the tokens the cache has not seen: the question, then the answer
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad_token_id,

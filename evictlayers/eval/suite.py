@@ -47,6 +47,7 @@ from evictlayers.eval.tasks.documents import document_windows, read_texts
 from evictlayers.eval.tasks.lines import lines_prompts, parse_record, score_lines
 from evictlayers.eval.tasks.passkey import HAYSTACKS, passkey_grid, score_passkey
 from evictlayers.eval.protocol import split_books, split_seed, split_tasks
+from evictlayers.eval.compressed import reconstruction_cache
 from evictlayers.eval.ruler_run import SETTINGS, generate_query_agnostic, generate_query_aware, summarize_ruler
 from evictlayers.eval.tasks.ruler import (
     LEFT_OUT, SINGLE_NEEDLE, Books, check_depths, group_of, postprocess, ruler_samples, sample_score, use_chat,
@@ -192,9 +193,10 @@ class _GenerationTask(EvalTask):
         steps = self.max_new_tokens
         start = time.perf_counter()
         with el.apply(model, policy, compile=self.compile, tokenizer=self.tokenizer) as run:
+            cache = reconstruction_cache(run, ids, mask, self.prefill_chunk)  # KVzip compresses the prompt first
             out = model.generate(
                 input_ids=ids, attention_mask=mask, max_new_tokens=steps, min_new_tokens=steps, do_sample=False,
-                pad_token_id=self.tokenizer.pad_token_id, prefill_chunk_size=self.prefill_chunk,
+                pad_token_id=self.tokenizer.pad_token_id, prefill_chunk_size=self.prefill_chunk, past_key_values=cache,
             )
             cache, stats = run.cache, run.stats()
         seconds = time.perf_counter() - start

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, CacheLayerMixin, LinearAttentionLayer
 
@@ -261,6 +264,55 @@ class EvictionCache(Cache):
         """Forget every token and the declared prompt: the next forward starts a new prompt."""
         super().reset()
         self.decoded = False
+
+    def _stores(self) -> list[SlotStore]:
+        return [layer.store for layer in self.layers if isinstance(layer, EvictionLayer)]
+
+    def defer_eviction(self) -> None:
+        """Before the first forward: every layer holds every token it is fed, evicting nothing, until
+        ``evict_deferred`` (``SlotStore.defer``), so that probes can score the whole context first
+        (``EvictionRun.compress_context``). Budgets are resolved from the prompt as usual."""
+        if self.get_seq_length() > 0:
+            raise ValueError(
+                f"this cache already holds {self.get_seq_length()} tokens: defer eviction before its first forward"
+            )
+        for store in self._stores():
+            store.defer()
+
+    def evict_deferred(self) -> None:
+        """End the deferral: each layer's heads keep their best ``budget`` tokens (``SlotStore.evict_deferred``)."""
+        for store in self._stores():
+            store.evict_deferred()
+
+    def add_room(self, extra: int) -> None:
+        """Every budgeted layer keeps ``extra`` more tokens per head from now on (``SlotStore.add_room``)."""
+        for store in self._stores():
+            store.add_room(extra)
+
+    @property
+    def deferred(self) -> bool:
+        """Whether the layers still defer eviction (``defer_eviction`` without ``evict_deferred`` yet)."""
+        return any(store.deferred for store in self._stores())
+
+    @contextlib.contextmanager
+    def probing(self) -> Iterator[EvictionCache]:
+        """Within the block every forward on this cache is a probe (``compose/probe_step.py``): its tokens attend
+        over what each layer holds and, causally, each other, at the positions after the tokens seen, and feed the
+        scorers (``Observation.probe``), but nothing is stored: slots, positions, per-head state, the tokens seen
+        and ``get_seq_length()`` stay as they were (the scorers' per-slot state of the held slots aside). A
+        forward's ``attention_mask`` then covers the tokens seen and the probe's (as for any continuation), and a
+        padded probe row should pass ``position_ids`` (``seen`` onwards per row). Refused, by the first layer that
+        runs a probe, for a policy whose scorers do not observe probes, a ClusterSketch, rolling positions,
+        chunked-attention layers, an empty cache and a prompt still being fed; a model whose other layers hold
+        recurrent state would update it, which ``EvictionRun.compress_context`` refuses."""
+        stores = self._stores()
+        for store in stores:
+            store.probing = True
+        try:
+            yield self
+        finally:
+            for store in stores:
+                store.probing = False
 
     @property
     def prompt_declared(self) -> bool:

@@ -194,6 +194,8 @@ def _why_not_in_place(store) -> str:
         return f"layer {store.layer_idx} holds nothing yet"
     if store.sketch is not None:
         return f"layer {store.layer_idx} holds a ClusterSketch, whose coin table is remade every few steps"
+    if store.probing or store.deferred:
+        return f"layer {store.layer_idx} runs a probe or defers eviction (EvictionRun.compress_context)"
     if store.filled is not None:
         return f"layer {store.layer_idx} keeps its slots in position order and has no free slot"
     return (f"layer {store.layer_idx}'s storage {store.policy.storage!r} does not compile on CUDA (inductor's build "

@@ -23,7 +23,7 @@ from transformers.cache_utils import Cache
 
 from evictlayers.compose import Induction, Policy
 from evictlayers.compose.positions import RotaryTable
-from evictlayers.hf import attention, versions
+from evictlayers.hf import attention, reconstruction, versions
 from evictlayers.hf.cache import EvictionCache, EvictionLayer
 from evictlayers.hf.compiled_forward import CompiledDecodeForward
 from evictlayers.hf.prompt import (
@@ -56,7 +56,8 @@ def _evicting_class(cls: type) -> type:
 class EvictionRun:
     """The patched state of one model; ``with apply(model, policy) as run`` yields it. ``cpu_linear``: whether its
     linear layers run ``kernels/linear_cpu.py``'s op (asked for, and available here). ``run.new_cache()`` makes a
-    cache, ``run.prefill(ids, mask, chunk=N)`` runs a long prompt into one in bounded memory."""
+    cache, ``run.prefill(ids, mask, chunk=N)`` runs a long prompt into one in bounded memory,
+    ``run.compress_context(ids, mask)`` compresses a context for any later question (KVzip)."""
 
     def __init__(self, model: nn.Module, policy: Policy, compile: bool | str = False, tokenizer=None,
                  cpu_linear: bool = False):
@@ -84,6 +85,7 @@ class EvictionRun:
                 "`with` block (or call run.remove()) before applying another policy"
             )
         self.model, self.policy, self.compile = model, policy, compile
+        self.tokenizer = tokenizer  # read by compress_context (KVzip's repeat prompts) and sentence marks
         # built (or loaded) here, not inside the first step someone times; where it cannot run, the linear layers
         # keep BLAS, which computes the same logits
         why_not = linear_cpu.unavailable_reason() if cpu_linear else None
@@ -313,6 +315,64 @@ class EvictionRun:
             cache.declare_prompt(prompt_len)
         return feed_in_chunks(self.model, cache, input_ids, attention_mask, chunk, position_ids)
 
+    def compress_context(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, *, repeat_prompt=None,
+        chunk: int = reconstruction.DEFAULT_CHUNK, prefill_chunk: int | None = None, room: int = 0,
+        cache: EvictionCache | None = None,
+    ) -> EvictionCache:
+        """KVzip's query-agnostic compression (Kim et al. 2025, arXiv:2505.23416): prefill the context, score each
+        cached token by the attention it gets while the model repeats the context, keep each head's best
+        ``budget``; returns the cache, ready to answer any question after the context.
+
+        The policy must score by probes (``ContextReconstruction``, ``evictlayers/recipes/kvzip.yaml``). Steps:
+
+        1. the context runs into a new cache (or ``cache``, empty) declared ``attention_mask.sum(1)`` long (a float
+           budget is that fraction of each row's context), every layer holding every token (``defer_eviction``),
+           in forwards of ``prefill_chunk`` tokens (``None``: one);
+        2. in chunks of ``chunk`` context tokens, ``<repeat prompt> + <chunk>`` runs over the cache as a probe
+           (``EvictionCache.probing``): it attends over the whole context and, causally, itself, at the positions
+           after the context's, the scorers take the most attention any of its rows gives each context token, and
+           nothing of it is stored;
+        3. each layer's heads keep their ``budget`` best context tokens (``evict_deferred``).
+
+        ``repeat_prompt``: the ids before every chunk; ``None`` (the default) takes KVzip's prompts in the ids of the
+        tokenizer given to ``evictlayers.apply(..., tokenizer=)`` ("Repeat the previous context exactly.", before a
+        later chunk "Repeat the part of the previous context exactly, starting with " and the previous chunk's
+        last 8 tokens, then the chat template's opening of the assistant's answer: ``hf/reconstruction.py``). As
+        in KVzip the context is expected as the start of a user turn and each question as its continuation: for a
+        chat model, the template's text before the user's message, then the context; a question is then
+        ``"\n\n" + question`` and the template's generation prompt (KVzip's layout; a plain context works too).
+
+        Then ask: ``model.generate(question_ids, attention_mask=torch.cat([context_mask, question_mask], 1),
+        past_key_values=cache)``: the mask covers the context's columns and the question's (without it
+        transformers takes ``question_ids`` for the whole sequence); passing the context's and the question's ids
+        with the same mask works too. The budget keeps binding while the question and answer are written: they
+        score above every context token, so the lowest-scored context tokens leave first, one per token written.
+        ``room`` (tokens per head, default 0) raises every budgeted layer's budget by that much after the
+        eviction (``EvictionCache.add_room``), so that a question and answer of up to ``room`` tokens leave the
+        compressed context whole, as KVzip's appended question and answer do, at ``budget + room`` tokens per
+        head. Generation writes into the cache; ask each of several questions of a copy (``copy.deepcopy(cache)``).
+
+        Batches: left-padded rows (``attention_mask``) are served, each reconstructed after its own context
+        (positions passed per row; a row whose context has no chunk left runs padding). Refused (``ValueError``,
+        before any forward): a policy whose scorers do not observe probes, a model with recurrent layers, bad
+        arguments.
+
+        Cost: the context's prefill, then one more forward over the context (the teacher-forced reconstruction)
+        plus a repeat prompt per chunk (about 10 to 30 tokens), each chunk attending over the whole context and
+        computing every row's probabilities (the kernels' scored-rows path, where a plain prefill takes the flash
+        path): KVzip reports about twice a prefill. Memory: the whole context's cache until the eviction, and one
+        block of probe rows' probabilities at a time (``compose/probe_step.py``, 64 MiB). Measured once on the CPU
+        with tiny random Llamas and a 2,048-token context (docs/recipes.md): 3.7-4.6x a plain prefill's time at
+        hidden size 256, 2.7-2.9x at 1024, where attention weighs less.
+        """
+        if getattr(self.model, "_evictlayers_run", None) is not self:
+            raise RuntimeError("run.compress_context: this run's patch was removed; call it inside the `with` block")
+        return reconstruction.compress_context(
+            self, input_ids, attention_mask, repeat_prompt=repeat_prompt, chunk=chunk, prefill_chunk=prefill_chunk,
+            room=room, cache=cache,
+        )
+
     def _hook(self, signature: inspect.Signature):
         names = list(signature.parameters)
         cache_name = "cache" if "cache" in names else "past_key_values"  # transformers >= 5.24 names it cache
@@ -478,7 +538,8 @@ def apply(model: nn.Module, policy: Policy, compile: bool | str = False, tokeniz
     """Patch ``model`` to generate with ``policy``'s bounded cache; use as a context manager.
 
     ``tokenizer``: the model's tokenizer, needed by a policy that ranks the text's sentences
-    (``HeavyHitterSelector(..., refine=[SentenceScores()])``; an error names it when missing) and ignored by others.
+    (``HeavyHitterSelector(..., refine=[SentenceScores()])``; an error names it when missing), and read by
+    ``run.compress_context`` for KVzip's repeat prompts; ignored otherwise.
 
     ``compile=True`` compiles the decode steps (insert, attention with mass, scoring, eviction) over fixed
     slot buffers with ``torch.compile(fullgraph=True)``: a one-token forward of a bounded cache, or of a full

@@ -200,6 +200,23 @@ class HeavyHitterSelector(Selector):
         return None if self.transform is None else self.transform.score_gain(query_pos, budget)
 
     @property
+    def observes_probes(self) -> bool:
+        # a prior or a transform reads or reshapes what a step inserts, and a refinement with state of its own
+        # writes it on arrival: neither is defined for a probe's rows
+        return (
+            self.accumulator.observes_probes and self.prior is None and self.transform is None
+            and not any(refinement.state_specs for refinement in self.refinements)
+        )
+
+    @property
+    def requires_probes(self) -> bool:
+        return self.accumulator.requires_probes
+
+    @property
+    def needs_gqa_reduce(self) -> str | None:
+        return self.accumulator.needs_gqa_reduce
+
+    @property
     def tie_tolerance(self) -> float:
         return self.accumulator.tie_tolerance  # KeyNorm: RoPE keeps a repeated token's key norm
 

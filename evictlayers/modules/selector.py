@@ -73,6 +73,22 @@ class Selector(Component):
         return False
 
     @property
+    def observes_probes(self) -> bool:
+        """Whether ``update`` knows a probe step (``Observation.probe``) from one that inserts tokens: a probe
+        is refused for a policy with a selector that does not."""
+        return False
+
+    @property
+    def requires_probes(self) -> bool:
+        """Whether the scores mean nothing until probes have run (a budgeted cache must then defer eviction)."""
+        return False
+
+    @property
+    def needs_gqa_reduce(self) -> str | None:
+        """The GQA reduction (``Policy(gqa_reduce=...)``) the scores are defined with, ``None`` for any."""
+        return None
+
+    @property
     def tie_tolerance(self) -> float:
         """Relative gap under which two scores count as tied (the oldest slot goes first); 0 = exact."""
         return 0.0

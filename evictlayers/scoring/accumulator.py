@@ -40,6 +40,14 @@ class ScoreAccumulator(Component):
     # relative gap under which two scores count as tied (the oldest slot goes first): 0 = exact; a score
     # that ties exactly in real arithmetic (a rotation-invariant one) sets it so float noise cannot decide
     tie_tolerance: float = 0.0
+    # whether ``update`` knows a probe step (``Observation.probe``: rows over the held slots of tokens that are
+    # never stored) from a step that inserts tokens; a probe is refused for a policy with any scorer that does not
+    observes_probes: bool = False
+    # whether the scores mean nothing until probes have run (``ContextReconstruction``): a policy holding such a
+    # scorer refuses a budgeted cache whose first step does not defer eviction (``SlotStore.defer``)
+    requires_probes: bool = False
+    # the GQA reduction (``Policy(gqa_reduce=...)``) the scorer is defined with, ``None`` for any
+    needs_gqa_reduce: str | None = None
 
     def update(self, state: dict[str, torch.Tensor], observation: Observation, view: SlotView) -> None:
         """Fold this step's attention into ``state`` in place."""

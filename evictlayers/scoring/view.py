@@ -91,6 +91,12 @@ class Observation:
             by position ``p``; ``compose/positions.py``), ``N`` at least the policy's ``rotary_rows`` and the
             step's length plus one, for scorers that declare ``reads_queries``; ``None`` otherwise.
         scaling: the model's factor on ``q . k`` (usually ``D ** -0.5``), given with ``queries``.
+        probe: the step is a probe (``SlotStore.probing``): its tokens attend over the held slots and, causally,
+            each other, but are never stored, so ``rows`` holds probe rows over the held slots only (every row of
+            the probe, fed in blocks of rows: one probe may make several observations), ``mass`` their sum over
+            the held slots, and ``inserted`` is empty. Only scorers that declare ``observes_probes`` see one.
+        deferred: the step's tokens arrive while the store defers eviction until probes have run
+            (``SlotStore.defer``): the probes, not this step, are what scores them.
     """
 
     mass: torch.Tensor
@@ -106,3 +112,5 @@ class Observation:
     query_pos: torch.Tensor | None = None
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None
     scaling: float | None = None
+    probe: bool = False
+    deferred: bool = False
