@@ -139,6 +139,27 @@ def govern_prompt(cache: EvictionCache, mask: torch.Tensor | None, batch: int, t
         "(run.new_cache(prompt_len=attention_mask.sum(1))), or use an int budget (tokens per head)"
     )
 
+
+def check_ids_and_mask(owner: str, what: str, input_ids, attention_mask) -> None:
+    """Refuse ``input_ids`` that are not a non-empty ``[batch, tokens]`` tensor of token ids, and a padding mask of
+    another shape; ``owner`` (``"run.prefill"``) and ``what`` (``"prompt"``) name them in the message."""
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError(
+            f"{owner}(input_ids): expected a [batch, tokens] tensor of token ids, got "
+            f"{type(input_ids).__name__}{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else ''}"
+        )
+    if input_ids.shape[1] == 0:
+        raise ValueError(f"{owner}(input_ids): the {what} is empty")
+    if attention_mask is not None and (
+        not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape
+    ):
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
+        raise ValueError(
+            f"{owner}(attention_mask): expected the {what}'s [batch, tokens] = {tuple(input_ids.shape)} "
+            f"padding mask, got {shape}"
+        )
+
+
 def check_prefill_arguments(input_ids: torch.Tensor, attention_mask: torch.Tensor | None, chunk: int,
                             position_ids: torch.Tensor | None) -> int | torch.Tensor:
     """Refuse what ``EvictionRun.prefill`` cannot take; return the prompt's real tokens (an ``int``, or ``[B]``
@@ -147,22 +168,8 @@ def check_prefill_arguments(input_ids: torch.Tensor, attention_mask: torch.Tenso
         raise TypeError(f"run.prefill(chunk={chunk!r}): expected an int number of tokens per forward")
     if chunk < 1:
         raise ValueError(f"run.prefill(chunk={chunk}): a chunk holds at least 1 token")
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-        raise ValueError(
-            "run.prefill(input_ids): expected a [batch, tokens] tensor of token ids, got "
-            f"{type(input_ids).__name__}{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else ''}"
-        )
+    check_ids_and_mask("run.prefill", "prompt", input_ids, attention_mask)
     width = input_ids.shape[1]
-    if width == 0:
-        raise ValueError("run.prefill(input_ids): the prompt is empty")
-    if attention_mask is not None and (
-        not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape
-    ):
-        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
-        raise ValueError(
-            f"run.prefill(attention_mask): expected the prompt's [batch, tokens] = {tuple(input_ids.shape)} "
-            f"padding mask, got {shape}"
-        )
     if position_ids is not None and (
         not isinstance(position_ids, torch.Tensor) or position_ids.shape[-1] != width
     ):

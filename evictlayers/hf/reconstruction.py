@@ -26,6 +26,7 @@ from torch import nn
 from transformers.cache_utils import Cache
 
 from evictlayers.hf.cache import EvictionCache, EvictionHybridLayer
+from evictlayers.hf.prompt import check_ids_and_mask
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_LATER = "\n\nRepeat the part of the previous context exactly, starting with "
@@ -128,21 +129,7 @@ def probe_inputs(context: torch.Tensor, real: torch.Tensor, prompts: RepeatPromp
 
 
 def _check_arguments(input_ids, attention_mask, chunk, prefill_chunk, room) -> None:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-        raise ValueError(
-            "compress_context(input_ids): expected a [batch, tokens] tensor of token ids, got "
-            f"{type(input_ids).__name__}{tuple(input_ids.shape) if isinstance(input_ids, torch.Tensor) else ''}"
-        )
-    if input_ids.shape[1] == 0:
-        raise ValueError("compress_context(input_ids): the context is empty")
-    if attention_mask is not None and (
-        not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape
-    ):
-        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else attention_mask
-        raise ValueError(
-            f"compress_context(attention_mask): expected the context's [batch, tokens] = {tuple(input_ids.shape)} "
-            f"padding mask, got {shape}"
-        )
+    check_ids_and_mask("compress_context", "context", input_ids, attention_mask)
     for name, value in (("chunk", chunk), ("prefill_chunk", prefill_chunk)):
         if value is None and name == "prefill_chunk":
             continue

@@ -26,7 +26,7 @@ from research.kvpress.export_prompts import export_prompts
 from research.transfer_report import load as load_results
 from research.transfer_report import merge, transfer_report
 from test_eval_helpers import char_tokenizer, tiny_llama
-from test_ruler_tasks import synthetic_books
+from test_ruler_tasks import chat_tok, synthetic_books  # noqa: F401 (a fixture)
 from tiny_models import single_thread  # noqa: F401
 
 LENGTH = 1800  # characters = tokens with the character tokenizer
@@ -37,14 +37,6 @@ STEPS = 4
 @pytest.fixture(scope="module")
 def tok():
     return char_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def chat_tok():
-    tok = char_tokenizer()
-    tok.chat_template = ("{% for m in messages %}<{{ m['role'] }}>\n{{ m['content'] }}\n{% endfor %}"
-                         "{% if add_generation_prompt %}<assistant>\n{% endif %}")
-    return tok
 
 
 @pytest.fixture(scope="module")
