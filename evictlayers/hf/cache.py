@@ -289,11 +289,6 @@ class EvictionCache(Cache):
         for store in self._stores():
             store.add_room(extra)
 
-    @property
-    def deferred(self) -> bool:
-        """Whether the layers still defer eviction (``defer_eviction`` without ``evict_deferred`` yet)."""
-        return any(store.deferred for store in self._stores())
-
     @contextlib.contextmanager
     def probing(self) -> Iterator[EvictionCache]:
         """Within the block every forward on this cache is a probe (``compose/probe_step.py``): its tokens attend

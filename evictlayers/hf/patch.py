@@ -30,6 +30,7 @@ from evictlayers.hf.prompt import (
     GeneratePrompt,
     check_prefill_arguments,
     feed_in_chunks,
+    prompt_cache,
     generate_prompt,
     govern_prompt,
     refuse_rollback,
@@ -304,15 +305,7 @@ class EvictionRun:
         if getattr(self.model, "_evictlayers_run", None) is not self:
             raise RuntimeError("run.prefill: this run's patch was removed; call it inside the `with` block")
         prompt_len = check_prefill_arguments(input_ids, attention_mask, chunk, position_ids)
-        if cache is None:
-            cache = self.new_cache(prompt_len=prompt_len)
-        elif not isinstance(cache, EvictionCache) or cache.get_seq_length() > 0:
-            raise ValueError(
-                "run.prefill(cache=...): expected an empty evictlayers cache (run.new_cache()), got a "
-                f"{type(cache).__name__} holding {cache.get_seq_length() if isinstance(cache, Cache) else 0} tokens"
-            )
-        elif not cache.prompt_declared:
-            cache.declare_prompt(prompt_len)
+        cache = prompt_cache(self, "run.prefill", cache, prompt_len)
         return feed_in_chunks(self.model, cache, input_ids, attention_mask, chunk, position_ids)
 
     def compress_context(

@@ -177,16 +177,33 @@ def check_prefill_arguments(input_ids: torch.Tensor, attention_mask: torch.Tenso
     return width if attention_mask is None else attention_mask.bool().sum(1)
 
 
+def prompt_cache(run, owner: str, cache: EvictionCache | None, prompt_len: int | torch.Tensor) -> EvictionCache:
+    """The cache a prompt of ``prompt_len`` real tokens (an ``int``, or ``[B]``) is fed into: a new one from ``run``,
+    or the caller's ``cache``, which must be an empty evictlayers cache (declared ``prompt_len`` long if it was
+    not); ``owner`` (``"run.prefill"``) names the call in the refusal."""
+    if cache is None:
+        return run.new_cache(prompt_len=prompt_len)
+    if not isinstance(cache, EvictionCache) or cache.get_seq_length() > 0:
+        raise ValueError(
+            f"{owner}(cache=...): expected an empty evictlayers cache (run.new_cache()), got a "
+            f"{type(cache).__name__} holding {cache.get_seq_length() if isinstance(cache, Cache) else 0} tokens"
+        )
+    if not cache.prompt_declared:
+        cache.declare_prompt(prompt_len)
+    return cache
+
+
 def feed_in_chunks(model: nn.Module, cache: EvictionCache, input_ids: torch.Tensor,
-                   attention_mask: torch.Tensor | None, chunk: int, position_ids: torch.Tensor | None):
-    """The prompt through ``model`` ``chunk`` tokens at a time into ``cache``, under ``torch.no_grad``; the last
-    chunk's output."""
+                   attention_mask: torch.Tensor | None, chunk: int, position_ids: torch.Tensor | None,
+                   cache_name: str = "past_key_values", **extra):
+    """The prompt through ``model`` ``chunk`` tokens at a time into ``cache`` (passed as ``cache_name``), under
+    ``torch.no_grad``, with ``extra`` keywords in every forward; the last chunk's output."""
     width = input_ids.shape[1]
     out = None
     with torch.no_grad():
         for start in range(0, width, chunk):
             stop = min(start + chunk, width)
-            inputs = {"input_ids": input_ids[:, start:stop], "past_key_values": cache, "use_cache": True}
+            inputs = {"input_ids": input_ids[:, start:stop], cache_name: cache, "use_cache": True, **extra}
             if attention_mask is not None:
                 inputs["attention_mask"] = attention_mask[:, :stop]
             if position_ids is not None:

@@ -23,10 +23,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers.cache_utils import Cache
 
 from evictlayers.hf.cache import EvictionCache, EvictionHybridLayer
-from evictlayers.hf.prompt import check_ids_and_mask
+from evictlayers.hf.prompt import check_ids_and_mask, feed_in_chunks, prompt_cache
 
 REPEAT_FIRST = "\n\nRepeat the previous context exactly."
 REPEAT_LATER = "\n\nRepeat the part of the previous context exactly, starting with "
@@ -195,42 +194,26 @@ def compress_context(
             f"compress_context: the context is padded, and {type(run.model).__name__}.forward takes no position_ids "
             "to place each row's reconstruction after its own context; compress one row at a time"
         )
-    if cache is None:
-        cache = run.new_cache(prompt_len=lengths if padded else input_ids.shape[1])
-    elif not isinstance(cache, EvictionCache) or cache.get_seq_length() > 0:
-        raise ValueError(
-            "compress_context(cache=...): expected an empty evictlayers cache (run.new_cache()), got a "
-            f"{type(cache).__name__} holding {cache.get_seq_length() if isinstance(cache, Cache) else 0} tokens"
-        )
-    elif not cache.prompt_declared:
-        cache.declare_prompt(lengths if padded else input_ids.shape[1])
+    cache = prompt_cache(run, "compress_context", cache, lengths if padded else input_ids.shape[1])
     if any(isinstance(layer, EvictionHybridLayer) for layer in cache.layers):
         raise ValueError(
             "compress_context: this cache holds recurrent state beside attention, which a probe would advance"
         )
     extra = {"logits_to_keep": 1} if takes_logits_to_keep else {}
     cache.defer_eviction()
-    width = input_ids.shape[1]
-    step = prefill_chunk or width
     positions = (real.long().cumsum(1) - 1).clamp(min=0) if padded else None
-    with torch.no_grad():
-        for start in range(0, width, step):  # the context, every token held
-            stop = min(start + step, width)
-            inputs = {"input_ids": input_ids[:, start:stop], cache_name: cache, "use_cache": True, **extra}
-            if attention_mask is not None:
-                inputs["attention_mask"] = attention_mask[:, :stop]
-            if positions is not None:
-                inputs["position_ids"] = positions[:, start:stop]
+    # the context, every token held
+    feed_in_chunks(run.model, cache, input_ids, attention_mask, prefill_chunk or input_ids.shape[1], positions,
+                   cache_name=cache_name, **extra)
+    with torch.no_grad(), cache.probing():  # the reconstruction, chunk by chunk: scored, never stored
+        for ids, probe_real in probe_inputs(input_ids, real, prompts, chunk):
+            inputs = {
+                "input_ids": ids, "attention_mask": torch.cat([real, probe_real], 1).long(),
+                cache_name: cache, "use_cache": True, **extra,
+            }
+            if padded:  # each row's reconstruction follows its own context
+                inputs["position_ids"] = lengths[:, None] + (probe_real.long().cumsum(1) - 1).clamp(min=0)
             run.model(**inputs)
-        with cache.probing():  # the reconstruction, chunk by chunk: scored, never stored
-            for ids, probe_real in probe_inputs(input_ids, real, prompts, chunk):
-                inputs = {
-                    "input_ids": ids, "attention_mask": torch.cat([real, probe_real], 1).long(),
-                    cache_name: cache, "use_cache": True, **extra,
-                }
-                if padded:  # each row's reconstruction follows its own context
-                    inputs["position_ids"] = lengths[:, None] + (probe_real.long().cumsum(1) - 1).clamp(min=0)
-                run.model(**inputs)
     cache.evict_deferred()
     cache.add_room(room)
     return cache
